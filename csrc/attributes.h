@@ -1,0 +1,74 @@
+// Node attributes -> a validated call layout. No Python and no ONNX Runtime here, so the
+// parsing rules are unit-tested on their own (tests/cpp/test_attributes.cc).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace ortbridge {
+
+// Where attributes come from: the ORT kernel info in production, a map in tests.
+// Each getter returns false when the attribute is absent or has another type.
+class AttributeSource {
+ public:
+  virtual ~AttributeSource() = default;
+  virtual bool GetInt(const char* name, int64_t* out) const = 0;
+  virtual bool GetString(const char* name, std::string* out) const = 0;
+  virtual bool GetInts(const char* name, std::vector<int64_t>* out) const = 0;
+  virtual bool GetFloats(const char* name, std::vector<float>* out) const = 0;
+};
+
+// A malformed node. The message names the attribute; the kernel adds the node name.
+class AttributeError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// One non-tensor argument of Function.apply, fixed in the graph.
+struct Constant {
+  enum class Kind { kBool, kInt, kFloat, kBoolTuple, kIntTuple, kFloatTuple, kObject };
+  Kind kind;
+  size_t position;              // index among all apply arguments
+  std::vector<int64_t> ints;    // bool/int values, or the object key for kObject
+  std::vector<double> floats;   // float values
+};
+
+// PythonOp: Function.apply(*args) where args interleave tensor inputs and constants.
+struct ForwardLayout {
+  std::string func_name;
+  std::string input_convention;                // 'd' tensor, 'c' constant, one per argument
+  bool training_mode = false;
+  std::vector<bool> requires_grad;             // per tensor input
+  std::vector<size_t> tensor_positions;        // argument index of each tensor input
+  std::vector<int64_t> input_tensor_types;     // ONNX element types
+  std::vector<int64_t> input_tensor_ranks;     // -1: unknown
+  std::vector<Constant> constants;             // sorted by position
+  std::vector<int64_t> output_tensor_types;    // per output after the context id
+  std::vector<int64_t> output_tensor_ranks;
+};
+
+// PythonOpGrad: Function.backward(ctx, *grads) -> one value per forward argument.
+struct BackwardLayout {
+  std::string func_name;
+  std::string output_convention;               // the forward input_convention
+  std::vector<int64_t> input_tensor_types;     // per forward output: the type of its gradient
+  std::vector<int64_t> input_tensor_ranks;
+  std::vector<size_t> grad_input_slots;        // forward output of each gradient input (after ctx)
+  std::vector<int64_t> output_tensor_types;    // per forward tensor input (absent outputs allowed)
+  std::vector<int64_t> output_tensor_ranks;
+  std::vector<bool> output_requires_grad;      // per gradient output
+  std::vector<size_t> output_positions;        // backward-result index of each gradient output
+};
+
+// input_count/output_count are the node's own counts (context id included).
+ForwardLayout ParseForward(const AttributeSource& attrs, size_t input_count, size_t output_count);
+BackwardLayout ParseBackward(const AttributeSource& attrs, size_t input_count, size_t output_count);
+
+// ONNX element types that cross to torch (all numeric types and bool; not strings or float8).
+bool IsSupportedElementType(int64_t onnx_type);
+const char* ElementTypeName(int64_t onnx_type);
+
+}  // namespace ortbridge

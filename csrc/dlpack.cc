@@ -1,0 +1,154 @@
+#include "dlpack.h"
+
+#include <cstring>
+#include <stdexcept>
+
+namespace ortbridge {
+namespace {
+
+constexpr const char* kCapsuleName = "dltensor";
+constexpr const char* kUsedCapsuleName = "used_dltensor";
+
+// One allocation holds the DLPack header and its shape and stride arrays.
+struct BorrowedTensor {
+  dl::ManagedTensor managed;
+  std::vector<int64_t> shape_and_strides;
+};
+
+void DeleteBorrowed(dl::ManagedTensor* self) { delete static_cast<BorrowedTensor*>(self->manager_ctx); }
+
+// A capsule torch never consumed still owns its tensor.
+void CapsuleDestructor(PyObject* capsule) {
+  if (!PyCapsule_IsValid(capsule, kCapsuleName)) return;
+  auto* managed = static_cast<dl::ManagedTensor*>(PyCapsule_GetPointer(capsule, kCapsuleName));
+  if (managed && managed->deleter) managed->deleter(managed);
+}
+
+}  // namespace
+
+bool ToDLDataType(int64_t t, dl::DataType* out) {
+  switch (t) {
+    case 1: *out = {dl::kFloat, 32, 1}; return true;
+    case 2: *out = {dl::kUInt, 8, 1}; return true;
+    case 3: *out = {dl::kInt, 8, 1}; return true;
+    case 4: *out = {dl::kUInt, 16, 1}; return true;
+    case 5: *out = {dl::kInt, 16, 1}; return true;
+    case 6: *out = {dl::kInt, 32, 1}; return true;
+    case 7: *out = {dl::kInt, 64, 1}; return true;
+    case 9: *out = {dl::kBool, 8, 1}; return true;
+    case 10: *out = {dl::kFloat, 16, 1}; return true;
+    case 11: *out = {dl::kFloat, 64, 1}; return true;
+    case 12: *out = {dl::kUInt, 32, 1}; return true;
+    case 13: *out = {dl::kUInt, 64, 1}; return true;
+    case 14: *out = {dl::kComplex, 64, 1}; return true;
+    case 15: *out = {dl::kComplex, 128, 1}; return true;
+    case 16: *out = {dl::kBfloat, 16, 1}; return true;
+    default: return false;
+  }
+}
+
+int64_t FromDLDataType(dl::DataType d) {
+  if (d.lanes != 1) return 0;
+  for (int64_t t = 1; t <= 16; ++t) {
+    dl::DataType x;
+    if (ToDLDataType(t, &x) && x.code == d.code && x.bits == d.bits) return t;
+  }
+  return 0;
+}
+
+PyObject* BorrowAsCapsule(void* data, int64_t onnx_type, const int64_t* shape, size_t ndim, dl::Device device) {
+  auto* b = new BorrowedTensor;
+  b->shape_and_strides.resize(2 * ndim);
+  int64_t* dims = b->shape_and_strides.data();
+  int64_t* strides = dims + ndim;
+  int64_t stride = 1;
+  for (size_t i = ndim; i-- > 0;) {
+    dims[i] = shape[i];
+    strides[i] = stride;
+    stride *= shape[i] > 0 ? shape[i] : 1;
+  }
+  dl::Tensor& t = b->managed.dl_tensor;
+  t.data = data;
+  t.device = device;
+  t.ndim = static_cast<int32_t>(ndim);
+  ToDLDataType(onnx_type, &t.dtype);
+  t.shape = ndim ? dims : nullptr;
+  t.strides = ndim ? strides : nullptr;
+  t.byte_offset = 0;
+  b->managed.manager_ctx = b;
+  b->managed.deleter = DeleteBorrowed;
+  PyObject* capsule = PyCapsule_New(&b->managed, kCapsuleName, CapsuleDestructor);
+  if (!capsule) delete b;
+  return capsule;
+}
+
+ImportedTensor::ImportedTensor(PyObject* capsule) {
+  if (!PyCapsule_IsValid(capsule, kCapsuleName)) {
+    throw std::runtime_error("expected an unconsumed DLPack capsule");
+  }
+  managed_ = static_cast<dl::ManagedTensor*>(PyCapsule_GetPointer(capsule, kCapsuleName));
+  PyCapsule_SetName(capsule, kUsedCapsuleName);  // ownership moves to this object
+}
+
+ImportedTensor::~ImportedTensor() {
+  if (managed_->deleter) managed_->deleter(managed_);
+}
+
+int64_t ImportedTensor::element_count() const {
+  int64_t n = 1;
+  for (int32_t i = 0; i < tensor().ndim; ++i) n *= tensor().shape[i];
+  return n;
+}
+
+void ImportedTensor::CopyTo(void* dst) const {
+  const dl::Tensor& t = tensor();
+  const size_t item = element_size();
+  const int64_t n = element_count();
+  if (n == 0) return;
+  // Compact row-major (or no strides given): one memcpy.
+  bool compact = true;
+  if (t.strides) {
+    int64_t expected = 1;
+    for (int32_t i = t.ndim; i-- > 0;) {
+      if (t.shape[i] != 1 && t.strides[i] != expected) compact = false;
+      expected *= t.shape[i];
+    }
+  }
+  if (compact) {
+    std::memcpy(dst, data(), n * item);
+    return;
+  }
+  // Strided: walk the index odometer, copying the innermost dimension per step.
+  const int32_t nd = t.ndim;
+  const int64_t inner = t.shape[nd - 1];
+  const int64_t inner_stride = t.strides[nd - 1] * static_cast<int64_t>(item);
+  std::vector<int64_t> index(nd, 0);
+  char* out = static_cast<char*>(dst);
+  const char* base = data();
+  for (int64_t done = 0; done < n; done += inner) {
+    int64_t offset = 0;
+    for (int32_t d = 0; d < nd - 1; ++d) offset += index[d] * t.strides[d];
+    const char* src = base + offset * static_cast<int64_t>(item);
+    if (inner_stride == static_cast<int64_t>(item)) {
+      std::memcpy(out, src, inner * item);
+      out += inner * item;
+    } else {
+      for (int64_t k = 0; k < inner; ++k, out += item) std::memcpy(out, src + k * inner_stride, item);
+    }
+    for (int32_t d = nd - 2; d >= 0; --d) {
+      if (++index[d] < t.shape[d]) break;
+      index[d] = 0;
+    }
+  }
+}
+
+std::string DeviceName(dl::Device device) {
+  switch (device.device_type) {
+    case dl::kCPU: return "cpu";
+    case dl::kCUDA: return "cuda:" + std::to_string(device.device_id);
+    case dl::kCUDAHost: return "cuda_host";
+    default: return "device type " + std::to_string(device.device_type);
+  }
+}
+
+}  // namespace ortbridge

@@ -1,0 +1,61 @@
+#include "kernel_io.h"
+
+#include <stdexcept>
+#include <string>
+
+#include "dlpack.h"
+
+namespace ortbridge {
+namespace {
+
+void CheckElementType(const std::string& what, int64_t got, int64_t expected) {
+  if (got != expected) {
+    throw std::runtime_error(what + " is " + ElementTypeName(got) + ", but the node declares " +
+                             ElementTypeName(expected));
+  }
+}
+
+}  // namespace
+
+TensorView ReadInput(const OrtApi& api, OrtKernelContext* context, size_t index, int64_t type) {
+  TensorView t;
+  std::string what = "input " + std::to_string(index);
+  if (!GetInputTensor(api, context, index, &t)) throw std::runtime_error(what + " is missing");
+  CheckElementType(what, t.elem_type, type);
+  return t;
+}
+
+py::tuple BorrowInputs(const std::vector<TensorView>& inputs) {
+  py::tuple capsules(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const TensorView& t = inputs[i];
+    PyObject* item = Py_None;
+    if (t.elem_type == 0) {
+      Py_INCREF(item);  // no tensor in this slot
+    } else {
+      item = BorrowAsCapsule(t.data, t.elem_type, t.shape.data(), t.shape.size(), {dl::kCPU, 0});
+      if (!item) throw py::error_already_set();
+    }
+    PyTuple_SET_ITEM(capsules.ptr(), i, item);
+  }
+  return capsules;
+}
+
+void WriteOutput(const OrtApi& api, OrtKernelContext* context, size_t index, PyObject* capsule, int64_t type,
+                 int64_t rank, const std::string& what) {
+  ImportedTensor t(capsule);
+  const dl::Tensor& d = t.tensor();
+  if (d.device.device_type != dl::kCPU) {
+    throw std::runtime_error(what + " is on " + DeviceName(d.device) +
+                             ", but this kernel runs on the CPU execution provider");
+  }
+  CheckElementType(what, FromDLDataType(d.dtype), type);
+  if (d.ndim != rank) {
+    throw std::runtime_error(what + " has rank " + std::to_string(d.ndim) + ", but the node declares rank " +
+                             std::to_string(rank));
+  }
+  void* dst = AllocateOutput(api, context, index, t.shape());
+  if (dst != t.data()) t.CopyTo(dst);  // equal when the Function wrote into ORT's own buffer
+}
+
+}  // namespace ortbridge

@@ -1,0 +1,26 @@
+// Tensors in and out of both kernels: ORT inputs become borrowed DLPack capsules, and tensors
+// returned by Python are checked against the node's declared types and ranks, then written
+// into ORT-allocated outputs.
+#pragma once
+
+#include <onnxruntime_c_api.h>
+
+#include <vector>
+
+#include "ort_util.h"
+#include "proxy.h"
+
+namespace ortbridge {
+
+// Input `index`, which must be present and of element type `type`. Read before the GIL is taken.
+TensorView ReadInput(const OrtApi& api, OrtKernelContext* context, size_t index, int64_t type);
+
+// A tuple of capsules viewing the inputs (None for an empty view, elem_type 0). GIL held.
+py::tuple BorrowInputs(const std::vector<TensorView>& inputs);
+
+// Writes `capsule` (a tensor from Python) to output `index`, after checking that it lives on
+// the CPU and has `type` and `rank`. `what` names it in errors ("output 2"). GIL held.
+void WriteOutput(const OrtApi& api, OrtKernelContext* context, size_t index, PyObject* capsule, int64_t type,
+                 int64_t rank, const std::string& what);
+
+}  // namespace ortbridge

@@ -1,0 +1,22 @@
+// The Python module ortbridge._C. The same shared library is the ORT custom-op library: when ORT
+// loads it by path it gets this already-loaded copy, so kernels and Python share one context pool.
+#include <pybind11/pybind11.h>
+
+#include "proxy.h"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "ortbridge kernel library: PythonOp and PythonOpGrad for ONNX Runtime";
+  m.def("context_pool_size", [] { return ortbridge::Contexts().Size(); },
+        "Number of live autograd contexts (forwards in training mode whose backward has not run).");
+  m.def(
+      "release_context",
+      [](int64_t id) {
+        auto saved = ortbridge::Contexts().Take(id);
+        return saved.has_value();
+      },
+      py::arg("context_id"), "Drops a context whose backward will never run. Returns whether it was live.");
+  m.def("_shutdown", &ortbridge::Shutdown);
+  py::module_::import("atexit").attr("register")(m.attr("_shutdown"));
+}

@@ -1,0 +1,75 @@
+// Small helpers over the ONNX Runtime C API: errors as exceptions inside the library and as
+// OrtStatus at its edge, and attribute access for kernel creation and shape inference.
+#pragma once
+
+#include <onnxruntime_c_api.h>
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "attributes.h"
+
+namespace ortbridge {
+
+// The lowest ORT API the kernels use: V2 (status) callbacks, shape inference, node names.
+constexpr uint32_t kOrtApiVersion = 17;
+
+// An ORT call that failed inside a kernel; turned back into an OrtStatus at the C boundary.
+class OrtError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Throws OrtError carrying the message of a failed ORT call, releasing the status.
+void ThrowOnError(const OrtApi& api, OrtStatus* status);
+
+// Runs `body`, turning any exception into an ORT error status whose text starts with `prefix`.
+template <class F>
+OrtStatus* Guarded(const OrtApi& api, const std::string& prefix, F&& body) noexcept {
+  try {
+    body();
+    return nullptr;
+  } catch (const std::exception& e) {
+    return api.CreateStatus(ORT_RUNTIME_EXCEPTION, (prefix + e.what()).c_str());
+  } catch (...) {
+    return api.CreateStatus(ORT_RUNTIME_EXCEPTION, (prefix + "unknown C++ exception").c_str());
+  }
+}
+
+// Attributes of a node at kernel creation.
+class KernelInfoAttributes : public AttributeSource {
+ public:
+  KernelInfoAttributes(const OrtApi& api, const OrtKernelInfo* info) : api_(api), info_(info) {}
+  bool GetInt(const char* name, int64_t* out) const override;
+  bool GetString(const char* name, std::string* out) const override;
+  bool GetInts(const char* name, std::vector<int64_t>* out) const override;
+  bool GetFloats(const char* name, std::vector<float>* out) const override;
+
+ private:
+  bool Ok(OrtStatus* status) const;
+  const OrtApi& api_;
+  const OrtKernelInfo* info_;
+};
+
+// Attributes of a node during shape inference (only the integer lists are needed there).
+std::vector<int64_t> ShapeInferInts(const OrtApi& api, OrtShapeInferContext* ctx, const char* name);
+
+// Sets output `index` to a tensor of `elem_type` and `rank` unknown dimensions.
+void SetOutputTypeAndRank(const OrtApi& api, OrtShapeInferContext* ctx, size_t index, int64_t elem_type,
+                          int64_t rank);
+
+std::string NodeName(const OrtApi& api, const OrtKernelInfo* info);
+
+// A tensor input of the kernel as raw memory.
+struct TensorView {
+  void* data = nullptr;
+  int64_t elem_type = 0;
+  std::vector<int64_t> shape;
+};
+// Returns false when the (optional) input is absent.
+bool GetInputTensor(const OrtApi& api, OrtKernelContext* ctx, size_t index, TensorView* out);
+// Allocates output `index` with `shape` and returns its buffer.
+void* AllocateOutput(const OrtApi& api, OrtKernelContext* ctx, size_t index, const std::vector<int64_t>& shape);
+
+}  // namespace ortbridge

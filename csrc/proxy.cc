@@ -1,0 +1,55 @@
+#include "proxy.h"
+
+#include <atomic>
+#include <stdexcept>
+
+#include <pybind11/gil_safe_call_once.h>
+
+namespace ortbridge {
+namespace {
+std::atomic<bool> g_shutdown{false};
+}
+
+PythonContextPool& Contexts() {
+  static auto* pool = new PythonContextPool;  // never destroyed: entries must die under the GIL
+  return *pool;
+}
+
+void RequirePython() {
+  if (!Py_IsInitialized() || g_shutdown.load()) {
+    throw std::runtime_error(
+        "no Python interpreter is running (ortbridge kernels call torch.autograd.Functions in this "
+        "process's interpreter; it has exited or was never started)");
+  }
+}
+
+py::module_ Runner() {
+  PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<py::module_> runner;
+  return runner.call_once_and_store_result([] { return py::module_::import("ortbridge._runner"); }).get_stored();
+}
+
+std::string FormatPythonError(const py::error_already_set& error) {
+  try {
+    return Runner().attr("format_exception")(error.value()).cast<std::string>();
+  } catch (const std::exception&) {
+    return error.what();
+  }
+}
+
+void ReleasePython(py::object& obj) noexcept {
+  if (!obj) return;
+  if (!Py_IsInitialized() || g_shutdown.load()) {
+    obj.release();  // the interpreter is gone or going: leaking is the only safe choice
+    return;
+  }
+  py::gil_scoped_acquire gil;
+  obj = py::object();
+}
+
+void Shutdown() {
+  auto entries = Contexts().TakeAll();
+  entries.clear();  // GIL held: called from atexit
+  g_shutdown.store(true);
+}
+
+}  // namespace ortbridge

@@ -1,0 +1,35 @@
+// The call into Python: the GIL, the runner module (ortbridge._runner), Python errors as text,
+// and the context pool. Everything here expects the GIL unless it says otherwise.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <string>
+
+#include "pool.h"
+
+namespace ortbridge {
+
+namespace py = pybind11;
+
+using PythonContextPool = ContextPool<py::object>;
+PythonContextPool& Contexts();
+
+// Throws std::runtime_error when no interpreter can run kernels (none, or it is exiting).
+// Callable without the GIL.
+void RequirePython();
+
+// ortbridge._runner, imported on first use.
+py::module_ Runner();
+
+// "ExceptionType: message" followed by the Python traceback.
+std::string FormatPythonError(const py::error_already_set& error);
+
+// Drops a reference from any thread: takes the GIL, or leaks the object when the interpreter is
+// already gone (destroying it then would crash).
+void ReleasePython(py::object& obj) noexcept;
+
+// Called once at interpreter exit: drops every live context and stops kernels from calling in.
+void Shutdown();
+
+}  // namespace ortbridge

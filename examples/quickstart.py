@@ -1,0 +1,52 @@
+"""Export a model whose forward calls a custom autograd.Function, run it in ONNX Runtime, and
+compare with eager PyTorch."""
+
+import numpy as np
+import torch
+
+import ortbridge
+
+
+@ortbridge.register
+class ScaledGelu(torch.autograd.Function):
+    """x * sigmoid(alpha * x), with a hand-written backward."""
+
+    @staticmethod
+    def forward(ctx, x, alpha):
+        ctx.save_for_backward(x)
+        ctx.alpha = alpha
+        return x * torch.sigmoid(alpha * x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(ctx.alpha * x)
+        return grad * (s + ctx.alpha * x * s * (1 - s)), None
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 6)
+
+    def forward(self, x):
+        return ScaledGelu.apply(self.linear(x), 1.702) * 2
+
+
+def main():
+    torch.manual_seed(0)
+    model = Model().eval()
+    x = torch.randn(4, 8)
+    ortbridge.export(model, (x,), "quickstart.onnx")
+    session = ortbridge.InferenceSession("quickstart.onnx")
+    (ort_out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    with torch.no_grad():
+        eager_out = model(x).numpy()
+    print("ONNX Runtime:", np.round(ort_out[0], 5))
+    print("eager torch: ", np.round(eager_out[0], 5))
+    print("max abs diff:", float(np.abs(ort_out - eager_out).max()))
+    assert np.allclose(ort_out, eager_out, atol=1e-6), "ORT and eager PyTorch disagree"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,14 @@
+"""ortbridge: ONNX Runtime graphs that call torch.autograd.Functions.
+
+A custom Function becomes one `ortbridge::PythonOp` node (and `PythonOpGrad` for its
+backward); the kernel library runs it in this process's PyTorch, zero-copy on the inputs.
+"""
+
+from .export import export
+from .registry import UnknownFunctionError, pin_object, register, registered_names, unregister
+from .runtime import InferenceSession, context_pool_size, library_path, release_context, session_options
+
+__all__ = [
+    "InferenceSession", "UnknownFunctionError", "context_pool_size", "export", "library_path", "pin_object",
+    "register", "registered_names", "release_context", "session_options", "unregister",
+]

@@ -1,0 +1,183 @@
+"""The Python side of one PythonOp / PythonOpGrad call.
+
+The C++ kernels build one ForwardNode or BackwardNode per graph node when the session is
+created and call its `run` on every Compute, holding the GIL. Inputs arrive as DLPack
+capsules that view ONNX Runtime's buffers (borrowed for the duration of the call); outputs
+leave as DLPack capsules that the kernel copies into ORT-allocated buffers.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import torch
+
+from . import registry
+
+_from_dlpack = torch.utils.dlpack.from_dlpack
+_to_dlpack = torch.utils.dlpack.to_dlpack
+_is_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
+_push_saved_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+_pop_saved_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+
+pinned_object = registry.pinned_object
+
+
+def format_exception(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(exc)).rstrip()
+
+
+def _as_tuple(result, what: str) -> tuple:
+    if isinstance(result, torch.Tensor) or result is None:
+        return (result,)
+    if isinstance(result, (tuple, list)):
+        return tuple(result)
+    raise TypeError(f"{what} returned {type(result).__name__}; expected a tensor or a tuple of tensors")
+
+
+def _unpack_saved(t):
+    return t
+
+
+class Saved:
+    """What a training-mode forward keeps for its backward: the autograd context (None when
+    no output needs a gradient) and the shapes and dtypes of the outputs and tensor inputs,
+    from this very call."""
+
+    __slots__ = ("ctx", "outputs", "inputs")
+
+    def __init__(self, ctx, outputs, inputs):
+        self.ctx = ctx
+        self.outputs = outputs
+        self.inputs = inputs
+
+
+class ForwardNode:
+    def __init__(self, func_name: str, args: list, tensor_positions: list, requires_grad: list,
+                 training: bool, output_count: int):
+        self.func = registry.lookup(func_name)
+        self.apply = self.func.apply
+        self.name = registry.qualified_name(self.func)
+        self.args = args
+        self.tensor_positions = tensor_positions
+        self.requires_grad = requires_grad if any(requires_grad) else None
+        self.training = training
+        self.output_count = output_count
+
+    def run(self, capsules: tuple) -> tuple:
+        args = self.args.copy()
+        tensors = [_from_dlpack(c) for c in capsules]
+        for position, tensor in zip(self.tensor_positions, tensors):
+            args[position] = tensor
+        if self.training:
+            return self._run_training(args, tensors)
+        grad_was_enabled = _is_grad_enabled()
+        _set_grad_enabled(False)
+        try:
+            outputs = self.apply(*args)
+        finally:
+            _set_grad_enabled(grad_was_enabled)
+        return (None, *self._export(outputs))
+
+    def _run_training(self, args: list, tensors: list) -> tuple:
+        if self.requires_grad:
+            for tensor, flag in zip(tensors, self.requires_grad):
+                if flag:
+                    tensor.requires_grad_()
+        # Inputs view ORT buffers that ORT reuses after this call: whatever the Function saves
+        # for backward from them must be a copy. Other saved tensors are kept detached, which
+        # also breaks the cycle output -> node -> saved output.
+        borrowed = {t.data_ptr() for t in tensors}
+
+        def pack(t):
+            return t.clone() if t.untyped_storage().data_ptr() in borrowed else t.detach()
+
+        grad_was_enabled = _is_grad_enabled()
+        _set_grad_enabled(True)
+        _push_saved_hooks(pack, _unpack_saved)
+        try:
+            outputs = self.apply(*args)
+        finally:
+            _pop_saved_hooks()
+            _set_grad_enabled(grad_was_enabled)
+        outputs = _as_tuple(outputs, f"{self.name}.forward")
+        ctx = next((o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None), None)
+        if ctx is not None:
+            _own_borrowed_attributes(ctx, borrowed)
+        saved = Saved(ctx,
+                      [(o.shape, o.dtype) for o in outputs if isinstance(o, torch.Tensor)],
+                      [(t.shape, t.dtype) for t in tensors])
+        return (saved, *self._export(outputs))
+
+    def _export(self, outputs) -> list:
+        outputs = _as_tuple(outputs, f"{self.name}.forward")
+        if len(outputs) != self.output_count:
+            raise RuntimeError(f"{self.name}.forward returned {len(outputs)} outputs, but the node declares "
+                               f"{self.output_count} (output_tensor_types)")
+        capsules = []
+        for i, o in enumerate(outputs):
+            if not isinstance(o, torch.Tensor):
+                raise TypeError(f"{self.name}.forward output {i} is {type(o).__name__}; every output must be a tensor")
+            capsules.append(_to_dlpack(o.detach()))
+        return capsules
+
+
+def _own_borrowed_attributes(ctx, borrowed: set) -> None:
+    # A tensor kept as a plain ctx attribute (ctx.x = x) would outlive ORT's buffer too.
+    for key, value in vars(ctx).items():
+        if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in borrowed:
+            setattr(ctx, key, value.detach().clone())
+
+
+class BackwardNode:
+    def __init__(self, func_name: str, argument_count: int, output_positions: list, requires_grad: list):
+        self.func = registry.lookup(func_name)
+        self.backward = self.func.backward
+        self.name = registry.qualified_name(self.func)
+        self.argument_count = argument_count
+        self.outputs = list(zip(output_positions, requires_grad))
+
+    def run(self, saved: Saved, capsules: tuple) -> tuple:
+        results = None
+        if saved.ctx is not None:  # else no output of the forward needed a gradient
+            results = self._call_backward(saved, [None if c is None else _from_dlpack(c) for c in capsules])
+        gradients = []
+        for k, (position, wanted) in enumerate(self.outputs):
+            if not wanted:
+                gradients.append(None)
+                continue
+            shape, dtype = saved.inputs[k]
+            g = None if results is None else results[position]
+            if g is None:
+                g = torch.zeros(shape, dtype=dtype)
+            elif not isinstance(g, torch.Tensor):
+                raise TypeError(f"{self.name}.backward value {position} is {type(g).__name__}; "
+                                "expected a tensor or None")
+            elif g.shape != shape:
+                raise RuntimeError(f"{self.name}.backward value {position} has shape {tuple(g.shape)}, but "
+                                   f"the forward input had shape {tuple(shape)}")
+            gradients.append(_to_dlpack(g.detach()))
+        return tuple(gradients)
+
+    def _call_backward(self, saved: Saved, grads: list) -> tuple:
+        if len(grads) != len(saved.outputs):
+            raise RuntimeError(f"the node passes {len(grads)} gradients, but {self.name}.forward returned "
+                               f"{len(saved.outputs)} outputs")
+        ctx = saved.ctx
+        if getattr(ctx, "_ortbridge_materialize_grads", True):
+            for i, g in enumerate(grads):
+                if g is None:
+                    shape, dtype = saved.outputs[i]
+                    grads[i] = torch.zeros(shape, dtype=dtype)
+        grad_was_enabled = _is_grad_enabled()
+        _set_grad_enabled(False)
+        try:
+            results = _as_tuple(self.backward(ctx, *grads), f"{self.name}.backward")
+        finally:
+            _set_grad_enabled(grad_was_enabled)
+        if len(results) != self.argument_count:
+            raise RuntimeError(f"{self.name}.backward returned {len(results)} values, but forward takes "
+                               f"{self.argument_count} arguments: return one gradient (or None) per "
+                               "forward argument")
+        return results
