@@ -3,7 +3,7 @@
 #include <memory>
 
 #include "custom_op.h"
-#include "kernel_io.h"
+#include "python_kernel.h"
 
 namespace ortbridge {
 namespace {
@@ -34,32 +34,20 @@ py::object ConstantValue(const Constant& c) {
   throw std::logic_error("unknown constant kind");
 }
 
-class PythonOpKernel {
+class PythonOpKernel : public PythonKernel<ForwardLayout> {
  public:
   static constexpr const char* kName = "PythonOp";
   static constexpr int kMinInputs = 0;
   static constexpr int kMinOutputs = 1;
 
+  static constexpr auto Parse = ParseForward;
+
+  PythonOpKernel(const OrtApi& api, const std::string& node, ForwardLayout layout)
+      : PythonKernel(api, kName, node, std::move(layout)) {}
+
   static OrtStatus* Create(const OrtApi& api, const OrtKernelInfo* info, void** out) {
-    std::string prefix = "ortbridge PythonOp: ";
-    return Guarded(api, prefix, [&] {
-      std::string node = NodeName(api, info);
-      prefix = "ortbridge PythonOp node '" + node + "': ";
-      size_t inputs = 0, outputs = 0;
-      ThrowOnError(api, api.KernelInfo_GetInputCount(info, &inputs));
-      ThrowOnError(api, api.KernelInfo_GetOutputCount(info, &outputs));
-      auto kernel = std::make_unique<PythonOpKernel>(api, node, ParseForward(KernelInfoAttributes(api, info), inputs, outputs));
-      prefix += "function '" + kernel->layout_.func_name + "': ";
-      kernel->BindPython();
-      *out = kernel.release();
-    });
+    return PythonKernel::Create<PythonOpKernel>(api, info, out);
   }
-
-  PythonOpKernel(const OrtApi& api, std::string node, ForwardLayout layout)
-      : api_(api), layout_(std::move(layout)),
-        error_prefix_("ortbridge PythonOp node '" + node + "' (function '" + layout_.func_name + "'): ") {}
-
-  ~PythonOpKernel() { ReleasePython(run_); }
 
   OrtStatus* Compute(OrtKernelContext* context) {
     return Guarded(api_, error_prefix_, [&] {
@@ -89,39 +77,27 @@ class PythonOpKernel {
   static OrtStatus* InferShape(OrtShapeInferContext* context) {
     const OrtApi& api = Api();
     return Guarded(api, "ortbridge PythonOp shape inference: ", [&] {
-      auto types = ShapeInferInts(api, context, "output_tensor_types");
-      auto ranks = ShapeInferInts(api, context, "output_tensor_ranks");
-      if (ranks.size() != types.size()) throw std::runtime_error("output_tensor_ranks and output_tensor_types differ in length");
-      SetOutputTypeAndRank(api, context, 0, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, 0);
-      for (size_t i = 0; i < types.size(); ++i) SetOutputTypeAndRank(api, context, i + 1, types[i], ranks[i]);
+      SetOutputTypeAndRank(api, context, 0, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, 0);  // the context id
+      InferOutputsFromAttributes(api, context, 1);
     });
   }
 
  private:
-  void BindPython() {
-    RequirePython();
-    py::gil_scoped_acquire gil;
-    try {
-      py::list args;  // tensor slots stay None until a call fills them
-      for (size_t i = 0; i < layout_.input_convention.size(); ++i) args.append(py::none());
-      for (const Constant& c : layout_.constants) args[c.position] = ConstantValue(c);
-      py::list positions, requires_grad;
-      for (size_t i = 0; i < layout_.tensor_positions.size(); ++i) {
-        positions.append(layout_.tensor_positions[i]);
-        requires_grad.append(py::bool_(layout_.requires_grad[i]));
-      }
-      py::object node = Runner().attr("ForwardNode")(layout_.func_name, args, positions, requires_grad,
-                                                     layout_.training_mode, layout_.output_tensor_types.size());
-      run_ = node.attr("run");
-    } catch (py::error_already_set& e) {
-      throw std::runtime_error(FormatPythonError(e));
-    }
-  }
+  friend class PythonKernel<ForwardLayout>;
 
-  const OrtApi& api_;
-  ForwardLayout layout_;
-  std::string error_prefix_;
-  py::object run_;  // ortbridge._runner.ForwardNode(...).run
+  // ortbridge._runner.ForwardNode(func_name, args with constants in place, ...). GIL held.
+  py::object MakeRunner() const {
+    py::list args;  // tensor slots stay None until a call fills them
+    for (size_t i = 0; i < layout_.input_convention.size(); ++i) args.append(py::none());
+    for (const Constant& c : layout_.constants) args[c.position] = ConstantValue(c);
+    py::list positions, requires_grad;
+    for (size_t i = 0; i < layout_.tensor_positions.size(); ++i) {
+      positions.append(layout_.tensor_positions[i]);
+      requires_grad.append(py::bool_(layout_.requires_grad[i]));
+    }
+    return Runner().attr("ForwardNode")(layout_.func_name, args, positions, requires_grad, layout_.training_mode,
+                                        layout_.output_tensor_types.size());
+  }
 };
 
 }  // namespace

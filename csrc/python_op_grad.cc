@@ -4,38 +4,25 @@
 #include <memory>
 
 #include "custom_op.h"
-#include "kernel_io.h"
+#include "python_kernel.h"
 
 namespace ortbridge {
 namespace {
 
-class PythonOpGradKernel {
+class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
  public:
   static constexpr const char* kName = "PythonOpGrad";
   static constexpr int kMinInputs = 1;
   static constexpr int kMinOutputs = 0;
 
+  static constexpr auto Parse = ParseBackward;
+
+  PythonOpGradKernel(const OrtApi& api, const std::string& node, BackwardLayout layout)
+      : PythonKernel(api, kName, node, std::move(layout)) {}
+
   static OrtStatus* Create(const OrtApi& api, const OrtKernelInfo* info, void** out) {
-    std::string prefix = "ortbridge PythonOpGrad: ";
-    return Guarded(api, prefix, [&] {
-      std::string node = NodeName(api, info);
-      prefix = "ortbridge PythonOpGrad node '" + node + "': ";
-      size_t inputs = 0, outputs = 0;
-      ThrowOnError(api, api.KernelInfo_GetInputCount(info, &inputs));
-      ThrowOnError(api, api.KernelInfo_GetOutputCount(info, &outputs));
-      auto kernel = std::make_unique<PythonOpGradKernel>(api, node,
-                                                         ParseBackward(KernelInfoAttributes(api, info), inputs, outputs));
-      prefix += "function '" + kernel->layout_.func_name + "': ";
-      kernel->BindPython();
-      *out = kernel.release();
-    });
+    return PythonKernel::Create<PythonOpGradKernel>(api, info, out);
   }
-
-  PythonOpGradKernel(const OrtApi& api, std::string node, BackwardLayout layout)
-      : api_(api), layout_(std::move(layout)),
-        error_prefix_("ortbridge PythonOpGrad node '" + node + "' (function '" + layout_.func_name + "'): ") {}
-
-  ~PythonOpGradKernel() { ReleasePython(run_); }
 
   OrtStatus* Compute(OrtKernelContext* context) {
     return Guarded(api_, error_prefix_, [&] {
@@ -72,14 +59,13 @@ class PythonOpGradKernel {
   static OrtStatus* InferShape(OrtShapeInferContext* context) {
     const OrtApi& api = Api();
     return Guarded(api, "ortbridge PythonOpGrad shape inference: ", [&] {
-      auto types = ShapeInferInts(api, context, "output_tensor_types");
-      auto ranks = ShapeInferInts(api, context, "output_tensor_ranks");
-      if (ranks.size() != types.size()) throw std::runtime_error("output_tensor_ranks and output_tensor_types differ in length");
-      for (size_t i = 0; i < types.size(); ++i) SetOutputTypeAndRank(api, context, i, types[i], ranks[i]);
+      InferOutputsFromAttributes(api, context, 0);
     });
   }
 
  private:
+  friend class PythonKernel<BackwardLayout>;
+
   int64_t ContextId(OrtKernelContext* context) const {
     TensorView t;
     if (!GetInputTensor(api_, context, 0, &t)) throw std::runtime_error("input 0 (the context id) is missing");
@@ -91,27 +77,16 @@ class PythonOpGradKernel {
     return *static_cast<const int64_t*>(t.data);
   }
 
-  void BindPython() {
-    RequirePython();
-    py::gil_scoped_acquire gil;
-    try {
-      py::list positions, requires_grad;
-      for (size_t i = 0; i < layout_.output_positions.size(); ++i) {
-        positions.append(layout_.output_positions[i]);
-        requires_grad.append(py::bool_(layout_.output_requires_grad[i]));
-      }
-      py::object node = Runner().attr("BackwardNode")(layout_.func_name, layout_.output_convention.size(),
-                                                      positions, requires_grad);
-      run_ = node.attr("run");
-    } catch (py::error_already_set& e) {
-      throw std::runtime_error(FormatPythonError(e));
+  // ortbridge._runner.BackwardNode(func_name, argument count, ...). GIL held.
+  py::object MakeRunner() const {
+    py::list positions, requires_grad;
+    for (size_t i = 0; i < layout_.output_positions.size(); ++i) {
+      positions.append(layout_.output_positions[i]);
+      requires_grad.append(py::bool_(layout_.output_requires_grad[i]));
     }
+    return Runner().attr("BackwardNode")(layout_.func_name, layout_.output_convention.size(), positions,
+                                         requires_grad);
   }
-
-  const OrtApi& api_;
-  BackwardLayout layout_;
-  std::string error_prefix_;
-  py::object run_;  // ortbridge._runner.BackwardNode(...).run
 };
 
 }  // namespace

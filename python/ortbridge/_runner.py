@@ -36,6 +36,15 @@ def _as_tuple(result, what: str) -> tuple:
     raise TypeError(f"{what} returned {type(result).__name__}; expected a tensor or a tuple of tensors")
 
 
+def _export_tensor(t, what: str):
+    """A DLPack capsule of `t` for the kernel, which checks dtype and rank against the node."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} is {type(t).__name__}; expected a torch.Tensor")
+    if t.device.type != "cpu":
+        raise RuntimeError(f"{what} is on {t.device}, but this kernel runs on the CPU execution provider")
+    return _to_dlpack(t.detach())
+
+
 def _unpack_saved(t):
     return t
 
@@ -115,12 +124,7 @@ class ForwardNode:
         if len(outputs) != self.output_count:
             raise RuntimeError(f"{self.name}.forward returned {len(outputs)} outputs, but the node declares "
                                f"{self.output_count} (output_tensor_types)")
-        capsules = []
-        for i, o in enumerate(outputs):
-            if not isinstance(o, torch.Tensor):
-                raise TypeError(f"{self.name}.forward output {i} is {type(o).__name__}; every output must be a tensor")
-            capsules.append(_to_dlpack(o.detach()))
-        return capsules
+        return [_export_tensor(o, f"{self.name}.forward output {i}") for i, o in enumerate(outputs)]
 
 
 def _own_borrowed_attributes(ctx, borrowed: set) -> None:
@@ -151,13 +155,10 @@ class BackwardNode:
             g = None if results is None else results[position]
             if g is None:
                 g = torch.zeros(shape, dtype=dtype)
-            elif not isinstance(g, torch.Tensor):
-                raise TypeError(f"{self.name}.backward value {position} is {type(g).__name__}; "
-                                "expected a tensor or None")
-            elif g.shape != shape:
+            elif isinstance(g, torch.Tensor) and g.shape != shape:
                 raise RuntimeError(f"{self.name}.backward value {position} has shape {tuple(g.shape)}, but "
                                    f"the forward input had shape {tuple(shape)}")
-            gradients.append(_to_dlpack(g.detach()))
+            gradients.append(_export_tensor(g, f"{self.name}.backward value {position}"))
         return tuple(gradients)
 
     def _call_backward(self, saved: Saved, grads: list) -> tuple:

@@ -1,0 +1,251 @@
+"""Per-call cost of an ortbridge PythonOp (and PythonOpGrad) against eager Function.apply.
+
+What is measured
+----------------
+An ONNX graph chains K PythonOp nodes (K = 1, 16, 64) over a 16-element float32 tensor. Each
+node calls the same registered identity-like torch.autograd.Function (forward: x.clone(),
+backward: return g), so the work per node is negligible and the time is the bridge itself:
+ORT kernel dispatch, GIL acquisition, DLPack in and out, Function.apply, and the copy of the
+result into ORT's output buffer. The reference is the same chain of Function.apply calls in
+eager PyTorch, timed in the same process and run.
+
+Two modes:
+  inference  training_mode=0; eager runs the chain under torch.no_grad().
+  training   one ORT graph: the K PythonOps (training_mode=1, input_requires_grads=[1]) then
+             the K PythonOpGrads in reverse order, the gradient of the last output fed as a
+             graph input. Eager: y = chain(x) with x.requires_grad, then y.backward(g).
+             A "call" is forward plus backward, so per op it counts one PythonOp and one
+             PythonOpGrad.
+
+How to read it
+--------------
+The table gives the median time of one whole call (session.run, or the eager chain) for each
+K: ORT us/call, eager us/call, and ratio = ORT / eager. The K=1 row is dominated by fixed costs
+(session.run with numpy feeds and fetches; for eager, backward-engine start-up in training).
+The per-op line is the slope (t(K=64) - t(K=1)) / 63: the marginal cost of one more node in
+the graph versus one more Function.apply in eager code, which is what a model with many
+custom Functions pays. Each timing is the median over --repeats repeats of N iterations, N
+chosen so that a repeat lasts about --target seconds; ORT and eager repeats are interleaved.
+
+ORT runs with intra_op_num_threads=1 and inter_op_num_threads=1, sequential execution; torch
+uses torch.get_num_threads() (irrelevant for 16 elements). Before timing, every configuration
+checks that ORT's outputs equal eager's; at the end ortbridge.context_pool_size() must be 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from onnx import TensorProto, helper
+
+import ortbridge
+
+NUMEL = 16
+KS = (1, 16, 64)
+FUNC_NAME = "ortbridge_bench.Identity"
+
+
+@ortbridge.register(name=FUNC_NAME)
+class Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def build_model(k: int, training: bool) -> bytes:
+    nodes = []
+    prev = "x"
+    for i in range(k):
+        out = "y" if i == k - 1 else f"y{i}"
+        nodes.append(helper.make_node(
+            "PythonOp", [prev], [f"ctx{i}", out], domain="ortbridge", name=f"fw{i}",
+            func_name=FUNC_NAME, input_convention="d", input_tensor_types=[TensorProto.FLOAT],
+            input_tensor_ranks=[1], input_requires_grads=[1 if training else 0],
+            output_tensor_types=[TensorProto.FLOAT], output_tensor_ranks=[1],
+            training_mode=int(training)))
+        prev = out
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [NUMEL])]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    if training:
+        inputs.append(helper.make_tensor_value_info("g", TensorProto.FLOAT, [NUMEL]))
+        grad = "g"
+        for i in reversed(range(k)):
+            out = "gx" if i == 0 else f"g{i}"
+            nodes.append(helper.make_node(
+                "PythonOpGrad", [f"ctx{i}", grad], [out], domain="ortbridge", name=f"bw{i}",
+                func_name=FUNC_NAME, output_convention="d", input_tensor_types=[TensorProto.FLOAT],
+                input_tensor_ranks=[1], output_tensor_types=[TensorProto.FLOAT], output_tensor_ranks=[1],
+                output_tensor_requires_grads=[1]))
+            grad = out
+        outputs.append(helper.make_tensor_value_info("gx", TensorProto.FLOAT, None))
+    graph = helper.make_graph(nodes, f"chain{k}", inputs, outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ortbridge", 1)])
+    return model.SerializeToString()
+
+
+def make_session(model: bytes) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    return ortbridge.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+
+def make_calls(mode: str, k: int):
+    """(ort_call, eager_call, check) for one configuration."""
+    training = mode == "training"
+    sess = make_session(build_model(k, training))
+    x_np = np.arange(NUMEL, dtype=np.float32)
+    g_np = np.linspace(-1, 1, NUMEL, dtype=np.float32)
+    apply = Identity.apply
+
+    if training:
+        feeds = {"x": x_np, "g": g_np}
+        fetches = ["y", "gx"]
+        x = torch.from_numpy(x_np.copy()).requires_grad_()
+        g = torch.from_numpy(g_np.copy())
+
+        def ort_call():
+            return sess.run(fetches, feeds)
+
+        def eager_call():
+            x.grad = None
+            y = x
+            for _ in range(k):
+                y = apply(y)
+            y.backward(g)
+            return y, x.grad
+
+        def check():
+            y_ort, gx_ort = ort_call()
+            y_eager, gx_eager = eager_call()
+            assert np.array_equal(y_ort, y_eager.detach().numpy()), "training forward output differs"
+            assert np.array_equal(gx_ort, gx_eager.numpy()), "training gradient differs"
+            assert np.array_equal(gx_ort, g_np)
+            assert ortbridge.context_pool_size() == 0, f"{ortbridge.context_pool_size()} contexts left live"
+    else:
+        feeds = {"x": x_np}
+        fetches = ["y"]
+        x = torch.from_numpy(x_np.copy())
+        no_grad = torch.no_grad
+
+        def ort_call():
+            return sess.run(fetches, feeds)
+
+        def eager_call():
+            with no_grad():
+                y = x
+                for _ in range(k):
+                    y = apply(y)
+            return y
+
+        def check():
+            (y_ort,) = ort_call()
+            y_eager = eager_call()
+            assert np.array_equal(y_ort, y_eager.numpy()), "inference output differs"
+            assert np.array_equal(y_ort, x_np)
+            assert ortbridge.context_pool_size() == 0
+
+    return ort_call, eager_call, check
+
+
+def loop_time(fn, n: int) -> float:
+    """Seconds per call over n back-to-back calls."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
+def calibrate(fn, target: float) -> int:
+    """Iterations so that one repeat takes about `target` seconds."""
+    n, elapsed = 1, 0.0
+    while True:
+        elapsed = loop_time(fn, n) * n
+        if elapsed >= min(0.05, target / 4):
+            break
+        n *= 2
+    return max(1, int(round(target * n / elapsed)))
+
+
+def measure(ort_call, eager_call, repeats: int, target: float, warmup: int) -> tuple[float, float]:
+    for _ in range(warmup):
+        ort_call()
+        eager_call()
+    n_ort, n_eager = calibrate(ort_call, target), calibrate(eager_call, target)
+    t_ort, t_eager = [], []
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            t_ort.append(loop_time(ort_call, n_ort))
+            t_eager.append(loop_time(eager_call, n_eager))
+    finally:
+        gc.enable()
+    return statistics.median(t_ort), statistics.median(t_eager)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=7, help="timed repeats per measurement (median reported)")
+    p.add_argument("--target", type=float, default=0.25, help="seconds per repeat (sets N)")
+    p.add_argument("--quick", action="store_true", help="smoke run: 3 repeats of ~0.03 s")
+    p.add_argument("--modes", default="inference,training", help="comma-separated subset of inference,training")
+    args = p.parse_args(argv)
+    repeats, target, warmup = args.repeats, args.target, 20
+    if args.quick:
+        repeats, target, warmup = min(repeats, 3), 0.03, 3
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in modes:
+        if m not in ("inference", "training"):
+            p.error(f"unknown mode {m!r}")
+
+    print(f"python {platform.python_version()}  torch {torch.__version__}  onnxruntime {ort.__version__}  "
+          f"onnx {onnx.__version__}  numpy {np.__version__}")
+    print(f"cpus {os.cpu_count()}  torch threads {torch.get_num_threads()}  ORT intra/inter threads 1/1  "
+          f"tensor {NUMEL} x float32  repeats {repeats}  ~{target:g} s/repeat  (times: median, microseconds)")
+    print()
+    print(f"{'mode':<10} {'K':>3} {'ORT us/call':>12} {'eager us/call':>14} {'ratio':>7}")
+    results: dict[tuple[str, int], tuple[float, float]] = {}
+    for mode in modes:
+        for k in KS:
+            ort_call, eager_call, check = make_calls(mode, k)
+            check()
+            t_ort, t_eager = measure(ort_call, eager_call, repeats, target, warmup)
+            results[(mode, k)] = (t_ort, t_eager)
+            print(f"{mode:<10} {k:>3} {t_ort * 1e6:>12.1f} {t_eager * 1e6:>14.1f} {t_ort / t_eager:>7.2f}", flush=True)
+            del ort_call, eager_call, check
+    print()
+    lo, hi = KS[0], KS[-1]
+    print(f"per op = (t(K={hi}) - t(K={lo})) / {hi - lo}")
+    print(f"{'mode':<10} {'ORT us/op':>10} {'eager us/op':>12} {'ratio':>7}")
+    for mode in modes:
+        (o1, e1), (o2, e2) = results[(mode, lo)], results[(mode, hi)]
+        po, pe = (o2 - o1) / (hi - lo), (e2 - e1) / (hi - lo)
+        print(f"{mode:<10} {po * 1e6:>10.2f} {pe * 1e6:>12.2f} {po / pe:>7.2f}")
+    gc.collect()
+    live = ortbridge.context_pool_size()
+    print()
+    print(f"ortbridge.context_pool_size() at exit: {live}")
+    if live != 0:
+        print("ERROR: autograd contexts leaked", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

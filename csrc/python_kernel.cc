@@ -1,0 +1,16 @@
+#include "python_kernel.h"
+
+#include <stdexcept>
+
+namespace ortbridge {
+
+void InferOutputsFromAttributes(const OrtApi& api, OrtShapeInferContext* context, size_t first) {
+  auto types = ShapeInferInts(api, context, "output_tensor_types");
+  auto ranks = ShapeInferInts(api, context, "output_tensor_ranks");
+  if (ranks.size() != types.size()) {
+    throw std::runtime_error("output_tensor_ranks and output_tensor_types differ in length");
+  }
+  for (size_t i = 0; i < types.size(); ++i) SetOutputTypeAndRank(api, context, first + i, types[i], ranks[i]);
+}
+
+}  // namespace ortbridge

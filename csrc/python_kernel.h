@@ -1,0 +1,55 @@
+// What PythonOp and PythonOpGrad share: creation from node attributes (errors name the node
+// and the function), the bound Python runner, and type inference from output attributes.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "kernel_io.h"
+
+namespace ortbridge {
+
+template <class Layout>
+class PythonKernel {
+ public:
+  PythonKernel(const OrtApi& api, const char* op, const std::string& node, Layout layout)
+      : api_(api), layout_(std::move(layout)),
+        error_prefix_(std::string("ortbridge ") + op + " node '" + node + "' (function '" + layout_.func_name +
+                      "'): ") {}
+  ~PythonKernel() { ReleasePython(run_); }
+
+  // Kernel creation at session creation: parse and validate the attributes, then bind the
+  // Function through the registry (an unknown func_name fails here).
+  template <class Kernel>
+  static OrtStatus* Create(const OrtApi& api, const OrtKernelInfo* info, void** out) {
+    std::string prefix = std::string("ortbridge ") + Kernel::kName + ": ";
+    return Guarded(api, prefix, [&] {
+      std::string node = NodeName(api, info);
+      prefix = std::string("ortbridge ") + Kernel::kName + " node '" + node + "': ";
+      size_t inputs = 0, outputs = 0;
+      ThrowOnError(api, api.KernelInfo_GetInputCount(info, &inputs));
+      ThrowOnError(api, api.KernelInfo_GetOutputCount(info, &outputs));
+      auto kernel = std::make_unique<Kernel>(api, node, Kernel::Parse(KernelInfoAttributes(api, info), inputs, outputs));
+      prefix = kernel->error_prefix_;
+      RequirePython();
+      py::gil_scoped_acquire gil;
+      try {
+        kernel->run_ = kernel->MakeRunner().attr("run");
+      } catch (py::error_already_set& e) {
+        throw std::runtime_error(FormatPythonError(e));
+      }
+      *out = kernel.release();
+    });
+  }
+
+ protected:
+  const OrtApi& api_;
+  const Layout layout_;
+  const std::string error_prefix_;
+  py::object run_;  // the runner node's bound `run` method
+};
+
+// Sets outputs [first, ...) from the node's output_tensor_types and output_tensor_ranks.
+void InferOutputsFromAttributes(const OrtApi& api, OrtShapeInferContext* context, size_t first);
+
+}  // namespace ortbridge

@@ -1,0 +1,110 @@
+"""Helpers shared by the Python tests: hand-built PythonOp / PythonOpGrad graphs, and a check
+that no test leaves an autograd context behind."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import ortbridge
+from ortbridge import registry
+
+OPSETS = [helper.make_opsetid("", 17), helper.make_opsetid("ortbridge", 1)]
+
+
+@dataclass
+class T:
+    """A tensor argument of a PythonOp node: graph value name, ONNX element type, rank."""
+    name: str
+    elem_type: int = TensorProto.FLOAT
+    rank: int = 1
+    requires_grad: bool = False
+
+
+def _f64_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def python_op(func, args: list, outputs: list, *, out_names: list, ctx_name: str = "ctx",
+              training: bool = False, name: str = "fw", **extra) -> onnx.NodeProto:
+    """A PythonOp calling `func.apply(*args)`; tensors are T(...), anything else a constant.
+    `outputs` lists (elem_type, rank) per Function output."""
+    convention, tensors, requires = "", [], []
+    attrs: dict = {}
+
+    def add(key, value):
+        attrs.setdefault(key, []).append(value)
+
+    for position, a in enumerate(args):
+        if isinstance(a, T):
+            convention += "d"
+            tensors.append(a)
+            requires.append(int(a.requires_grad))
+            continue
+        convention += "c"
+        requires.append(0)
+        if isinstance(a, bool):
+            add("input_bool_scalars", int(a)), add("input_bool_scalar_positions", position)
+        elif isinstance(a, int):
+            add("input_int_scalars", a), add("input_int_scalar_positions", position)
+        elif isinstance(a, float):
+            add("input_float_scalars", a), add("input_float_scalar_positions", position)
+            add("input_float_scalars_f64", _f64_bits(a))
+        elif isinstance(a, tuple):
+            kind = "bool" if isinstance(a[0], bool) else "int" if isinstance(a[0], int) else "float"
+            attrs.setdefault(f"input_{kind}_tuple_begins", []).append(len(attrs.get(f"input_{kind}_tuples", [])))
+            for v in a:
+                add(f"input_{kind}_tuples", int(v) if kind != "float" else v)
+                if kind == "float":
+                    add("input_float_tuples_f64", _f64_bits(v))
+            add(f"input_{kind}_tuple_positions", position)
+        else:
+            add("input_pointer_scalars", registry.pin_object(a)), add("input_pointer_scalar_positions", position)
+    attrs.update(
+        func_name=func if isinstance(func, str) else registry.registered_name(func), input_convention=convention,
+        input_tensor_types=[t.elem_type for t in tensors], input_tensor_ranks=[t.rank for t in tensors],
+        input_requires_grads=requires, output_tensor_types=[o[0] for o in outputs],
+        output_tensor_ranks=[o[1] for o in outputs], training_mode=int(training))
+    attrs.update(extra)
+    return helper.make_node("PythonOp", [t.name for t in tensors], [ctx_name, *out_names], domain="ortbridge",
+                            name=name, **attrs)
+
+
+def python_op_grad(func, convention: str, grad_inputs: list, grad_outputs: list, *, ctx_name: str = "ctx",
+                   name: str = "bw", **extra) -> onnx.NodeProto:
+    """A PythonOpGrad. grad_inputs: (value name or None if absent, elem_type, rank) per forward
+    output; grad_outputs: (value name or None if not wanted, elem_type, rank) per forward tensor."""
+    attrs = dict(
+        func_name=func if isinstance(func, str) else registry.registered_name(func), output_convention=convention,
+        input_tensor_types=[g[1] for g in grad_inputs], input_tensor_ranks=[g[2] for g in grad_inputs],
+        input_tensor_present=[int(g[0] is not None) for g in grad_inputs],
+        output_tensor_types=[g[1] for g in grad_outputs], output_tensor_ranks=[g[2] for g in grad_outputs],
+        output_tensor_requires_grads=[int(g[0] is not None) for g in grad_outputs])
+    attrs.update(extra)
+    return helper.make_node("PythonOpGrad", [ctx_name] + [g[0] for g in grad_inputs if g[0] is not None],
+                            [g[0] or "" for g in grad_outputs], domain="ortbridge", name=name, **attrs)
+
+
+def value(name: str, elem_type: int = TensorProto.FLOAT, shape=None):
+    return helper.make_tensor_value_info(name, elem_type, shape)
+
+
+def model(nodes: list, inputs: list, outputs: list) -> bytes:
+    graph = helper.make_graph(nodes, "test", inputs, outputs)
+    return helper.make_model(graph, opset_imports=OPSETS).SerializeToString()
+
+
+def session(model_bytes: bytes, **kwargs) -> ortbridge.InferenceSession:
+    return ortbridge.InferenceSession(model_bytes, providers=["CPUExecutionProvider"], **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def no_context_left():
+    """Every test must leave the context pool as it found it: empty."""
+    assert ortbridge.context_pool_size() == 0
+    yield
+    assert ortbridge.context_pool_size() == 0, "a test leaked autograd contexts"

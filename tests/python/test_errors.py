@@ -1,0 +1,199 @@
+"""Bad input gets a clear error and loses nothing: after each failure the same session runs
+again correctly and no autograd context is left behind (checked by conftest.no_context_left)."""
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from onnx import TensorProto as TP
+from onnxruntime.capi.onnxruntime_pybind11_state import Fail, RuntimeException
+
+import ortbridge
+from conftest import T, model, python_op, python_op_grad, session, value
+
+ORT_ERRORS = (Fail, RuntimeException)
+
+
+@ortbridge.register
+class Faulty(torch.autograd.Function):
+    """Misbehaves in forward or backward as `Faulty.mode` says."""
+    mode = None
+
+    @staticmethod
+    def forward(ctx, x):
+        m = Faulty.mode
+        if m == "raise":
+            raise ValueError("forward exploded")
+        if m == "count":
+            return x * 2, x
+        if m == "dtype":
+            return (x * 2).double()
+        if m == "rank":
+            return (x * 2).reshape(1, -1)
+        if m == "type":
+            return "not a tensor"
+        if m == "device":
+            return torch.empty(x.shape, device="meta")
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        m = Faulty.mode
+        if m == "bw_raise":
+            raise KeyError("backward exploded")
+        if m == "bw_count":
+            return g * 2, None
+        if m == "bw_shape":
+            return g[:1] * 2
+        if m == "bw_dtype":
+            return (g * 2).double()
+        if m == "bw_type":
+            return (2.0,)
+        return g * 2
+
+
+@pytest.fixture
+def faulty():
+    yield Faulty
+    Faulty.mode = None
+
+
+def train_session():
+    fw = python_op(Faulty, [T("x", requires_grad=True)], [(TP.FLOAT, 1)], out_names=["y"], training=True)
+    bw = python_op_grad(Faulty, "d", [("g", TP.FLOAT, 1)], [("gx", TP.FLOAT, 1)])
+    return session(model([fw, bw], [value("x", shape=[3]), value("g", shape=[3])], [value("y"), value("gx")]))
+
+
+def run_good(sess):
+    Faulty.mode = None
+    x = np.arange(3, dtype=np.float32)
+    y, gx = sess.run(None, {"x": x, "g": np.ones(3, np.float32)})
+    np.testing.assert_array_equal(y, x * 2)
+    np.testing.assert_array_equal(gx, np.full(3, 2, np.float32))
+    assert ortbridge.context_pool_size() == 0
+
+
+FORWARD_ERRORS = {
+    "raise": r"ValueError: forward exploded",
+    "count": r"returned 2 outputs, but the node declares 1",
+    "dtype": r"output 1 is float64, but the node declares float32",
+    "rank": r"output 1 has rank 2, but the node declares rank 1",
+    "type": r"forward returned str; expected a tensor or a tuple of tensors",
+    "device": r"output 0 is on meta, but this kernel runs on the CPU",
+}
+BACKWARD_ERRORS = {
+    "bw_raise": r"KeyError: 'backward exploded'",
+    "bw_count": r"backward returned 2 values, but forward takes 1 arguments",
+    "bw_shape": r"backward value 0 has shape \(1,\), but the forward input had shape \(3,\)",
+    "bw_dtype": r"gradient output 0 is float64, but the node declares float32",
+    "bw_type": r"backward value 0 is float; expected a torch.Tensor",
+}
+
+
+@pytest.mark.parametrize("mode", list(FORWARD_ERRORS) + list(BACKWARD_ERRORS))
+def test_function_error_is_reported_and_session_recovers(faulty, mode):
+    sess = train_session()
+    run_good(sess)
+    faulty.mode = mode
+    with pytest.raises(ORT_ERRORS) as info:
+        sess.run(None, {"x": np.arange(3, dtype=np.float32), "g": np.ones(3, np.float32)})
+    message = str(info.value)
+    assert re.search((FORWARD_ERRORS | BACKWARD_ERRORS)[mode], message), message
+    kind = "PythonOpGrad node 'bw'" if mode.startswith("bw_") else "PythonOp node 'fw'"
+    assert f"ortbridge {kind} (function 'test_errors.Faulty')" in message
+    assert ortbridge.context_pool_size() == 0
+    run_good(sess)
+
+
+def test_python_exception_carries_the_traceback(faulty):
+    sess = train_session()
+    faulty.mode = "raise"
+    with pytest.raises(ORT_ERRORS) as info:
+        sess.run(None, {"x": np.ones(3, np.float32), "g": np.ones(3, np.float32)})
+    message = str(info.value)
+    assert "Traceback (most recent call last)" in message
+    assert 'raise ValueError("forward exploded")' in message and "test_errors.py" in message
+    run_good(sess)
+
+
+def grad_only_session():
+    bw = python_op_grad(Faulty, "d", [("g", TP.FLOAT, 1)], [("gx", TP.FLOAT, 1)])
+    return session(model([bw], [value("ctx", TP.INT64, []), value("g", shape=[3])], [value("gx")]))
+
+
+@pytest.mark.parametrize("context_id", [0, 12345, -1])
+def test_unknown_context_id(context_id):
+    sess = grad_only_session()
+    with pytest.raises(ORT_ERRORS, match=f"context id {context_id} is not live"):
+        sess.run(None, {"ctx": np.asarray(context_id, np.int64), "g": np.ones(3, np.float32)})
+    # The same session still serves a real context.
+    fw = session(model([python_op(Faulty, [T("x", requires_grad=True)], [(TP.FLOAT, 1)], out_names=["y"],
+                                  training=True)], [value("x", shape=[3])], [value("ctx", TP.INT64), value("y")]))
+    ctx, _ = fw.run(None, {"x": np.ones(3, np.float32)})
+    (gx,) = sess.run(None, {"ctx": ctx, "g": np.ones(3, np.float32)})
+    np.testing.assert_array_equal(gx, np.full(3, 2, np.float32))
+
+
+def test_context_id_of_wrong_type():
+    bw = python_op_grad(Faulty, "d", [("g", TP.FLOAT, 1)], [("gx", TP.FLOAT, 1)])
+    sess = session(model([bw], [value("ctx", TP.FLOAT, [2]), value("g", shape=[3])], [value("gx")]))
+    with pytest.raises(ORT_ERRORS, match="input 0 must be the int64 context id"):
+        sess.run(None, {"ctx": np.ones(2, np.float32), "g": np.ones(3, np.float32)})
+
+
+def test_input_type_differs_from_declared_type():
+    node = python_op(Faulty, [T("x", TP.DOUBLE)], [(TP.FLOAT, 1)], out_names=["y"])
+    sess = session(model([node], [value("x", TP.FLOAT, [3])], [value("y")]))
+    with pytest.raises(ORT_ERRORS, match="input 0 is float32, but the node declares float64"):
+        sess.run(None, {"x": np.ones(3, np.float32)})
+
+
+def test_unregistered_function_is_refused_at_session_creation():
+    node = python_op("mypkg.NotRegistered", [T("x")], [(TP.FLOAT, 1)], out_names=["y"], name="mystery")
+    with pytest.raises(ORT_ERRORS) as info:
+        session(model([node], [value("x", TP.FLOAT, [3])], [value("y")]))
+    message = str(info.value)
+    assert "PythonOp node 'mystery'" in message
+    assert "func_name 'mypkg.NotRegistered' is not registered with ortbridge" in message
+    assert "test_errors.Faulty" in message  # the registered names are listed
+    assert "ortbridge.register" in message  # and what to do
+
+
+MALFORMED = {
+    "func_name": dict(func_name=""),
+    "input_convention": dict(input_convention="dx"),
+    "input_tensor_types": dict(input_tensor_types=[1, 1]),
+    "output_tensor_ranks": dict(output_tensor_ranks=[-2]),
+    "input_requires_grads": dict(input_requires_grads=[2]),
+    "training_mode": dict(training_mode=3),
+    "safe_run_mode": dict(safe_run_mode=0),
+    "input_int_scalar_positions": dict(input_int_scalars=[1], input_int_scalar_positions=[0]),
+    "tensor_reuse_map": dict(tensor_reuse_map=[-1, 5]),
+}
+
+
+@pytest.mark.parametrize("attribute", list(MALFORMED))
+def test_malformed_attributes_are_refused_naming_node_and_attribute(attribute):
+    node = python_op(Faulty, [T("x")], [(TP.FLOAT, 1)], out_names=["y"], name="broken", **MALFORMED[attribute])
+    with pytest.raises(ORT_ERRORS) as info:
+        session(model([node], [value("x", TP.FLOAT, [3])], [value("y")]))
+    message = str(info.value)
+    assert "node 'broken'" in message and f"attribute '{attribute}'" in message, message
+
+
+def test_missing_required_attribute():
+    node = python_op(Faulty, [T("x")], [(TP.FLOAT, 1)], out_names=["y"], name="broken")
+    del node.attribute[[a.name for a in node.attribute].index("input_tensor_types")]
+    with pytest.raises(ORT_ERRORS, match="node 'broken'.*attribute 'input_tensor_types': required"):
+        session(model([node], [value("x", TP.FLOAT, [3])], [value("y")]))
+
+
+def test_unknown_pointer_constant_is_refused():
+    from onnx import helper
+    node = helper.make_node("PythonOp", ["x"], ["ctx", "y"], domain="ortbridge", name="ptr",
+                            func_name="test_errors.Faulty", input_convention="dc", input_tensor_types=[1],
+                            input_pointer_scalars=[0x7FFF12345678], input_pointer_scalar_positions=[1],
+                            output_tensor_types=[1], output_tensor_ranks=[1])
+    with pytest.raises(ORT_ERRORS, match="object key 140733498807928, which no ortbridge.pin_object call made"):
+        session(model([node], [value("x", TP.FLOAT, [3])], [value("y")]))

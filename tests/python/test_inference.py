@@ -1,0 +1,161 @@
+"""PythonOp in inference mode (training_mode=0) against eager PyTorch: dtypes, shapes, layouts,
+constants, zero copy."""
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto as TP
+from onnx import helper
+
+import ortbridge
+from conftest import T, model, python_op, session, value
+
+
+@ortbridge.register
+class Triple(torch.autograd.Function):
+    """Output 1 has the input's dtype; output 2 is an int64 scalar (mixed output types)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = ~x if x.dtype == torch.bool else x * 3
+        return y, torch.tensor(x.numel())
+
+    @staticmethod
+    def backward(ctx, gy, gn):
+        return gy * 3
+
+
+def run_triple(x: np.ndarray, elem_type: int):
+    rank = x.ndim
+    node = python_op(Triple, [T("x", elem_type, rank)], [(elem_type, rank), (TP.INT64, 0)], out_names=["y", "n"])
+    sess = session(model([node], [value("x", elem_type, list(x.shape))], [value("y", elem_type), value("n", TP.INT64)]))
+    return sess.run(None, {"x": x})
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int64", "int32", "int8", "uint8", "bool"])
+@pytest.mark.parametrize("shape", [(), (0,), (5,), (2, 3), (2, 0, 4), (3, 1, 2, 2)])
+def test_dtype_and_shape_parity(dtype, shape):
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(shape) * 10).astype(dtype) if dtype != "bool" else rng.random(shape) > 0.5
+    elem_type = {"float32": TP.FLOAT, "float64": TP.DOUBLE, "float16": TP.FLOAT16, "int64": TP.INT64,
+                 "int32": TP.INT32, "int8": TP.INT8, "uint8": TP.UINT8, "bool": TP.BOOL}[dtype]
+    y, n = run_triple(np.asarray(x), elem_type)
+    ey, en = Triple.apply(torch.from_numpy(np.asarray(x)))
+    assert y.dtype == np.asarray(x).dtype and y.shape == tuple(shape)
+    np.testing.assert_array_equal(y, ey.numpy())
+    assert n.shape == () and n.dtype == np.int64 and int(n) == int(en)
+
+
+def test_bfloat16_crosses_unchanged():
+    # numpy has no bfloat16: the graph casts float32 -> bfloat16 -> PythonOp -> float32.
+    x = np.linspace(-3, 3, 12, dtype=np.float32).reshape(3, 4)
+    nodes = [helper.make_node("Cast", ["x"], ["xb"], to=TP.BFLOAT16),
+             python_op(Triple, [T("xb", TP.BFLOAT16, 2)], [(TP.BFLOAT16, 2), (TP.INT64, 0)], out_names=["yb", "n"]),
+             helper.make_node("Cast", ["yb"], ["y"], to=TP.FLOAT)]
+    sess = session(model(nodes, [value("x", TP.FLOAT, [3, 4])], [value("y")]))
+    (y,) = sess.run(None, {"x": x})
+    expected = Triple.apply(torch.from_numpy(x).to(torch.bfloat16))[0].float().numpy()
+    np.testing.assert_array_equal(y, expected)
+
+
+@ortbridge.register
+class Transposed(torch.autograd.Function):
+    """Returns non-contiguous views: the kernel copies them out in row-major order."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.t(), x[:, ::2], x.t()[1:4, :1].expand(3, 4)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError
+
+
+def test_non_contiguous_outputs():
+    x = np.arange(24, dtype=np.float32).reshape(4, 6)
+    node = python_op(Transposed, [T("x", TP.FLOAT, 2)], [(TP.FLOAT, 2)] * 3, out_names=["a", "b", "c"])
+    sess = session(model([node], [value("x", TP.FLOAT, [4, 6])], [value("a"), value("b"), value("c")]))
+    got = sess.run(None, {"x": x})
+    for g, e in zip(got, Transposed.apply(torch.from_numpy(x))):
+        np.testing.assert_array_equal(g, e.contiguous().numpy())
+
+
+@ortbridge.register
+class Collect(torch.autograd.Function):
+    """Returns x plus a checksum of every constant, and records their Python types."""
+    seen = None
+
+    @staticmethod
+    def forward(ctx, a, x, b, c, d, e, f, g, h):
+        Collect.seen = (a, b, c, d, e, f, g, h)
+        return x + 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError
+
+
+def test_constants_reach_the_function_with_their_types_and_full_precision():
+    marker = object()
+    constants = [0.1, True, 7, (1.5, -2.25e-300), (True, False), (3, -4, 2 ** 40), "text", marker]
+    args = [constants[0], T("x")] + constants[1:]
+    node = python_op(Collect, args, [(TP.FLOAT, 1)], out_names=["y"])
+    sess = session(model([node], [value("x", TP.FLOAT, [3])], [value("y")]))
+    (y,) = sess.run(None, {"x": np.zeros(3, np.float32)})
+    np.testing.assert_array_equal(y, np.ones(3, np.float32))
+    assert Collect.seen == tuple(constants)
+    assert [type(v) for v in Collect.seen] == [type(v) for v in constants]
+    assert Collect.seen[0] == 0.1  # not 0.10000000149 (ORT's float32 attribute)
+    assert Collect.seen[-1] is marker
+
+
+@ortbridge.register
+class RecordPointer(torch.autograd.Function):
+    pointers = []
+
+    @staticmethod
+    def forward(ctx, x):
+        RecordPointer.pointers.append(x.data_ptr())
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+def test_function_sees_ort_input_buffer_without_copy():
+    x = np.arange(1024, dtype=np.float32)
+    node = python_op(RecordPointer, [T("x")], [(TP.FLOAT, 1)], out_names=["y"])
+    sess = session(model([node], [value("x", TP.FLOAT, [1024])], [value("y")]))
+    x_ort = ort.OrtValue.ortvalue_from_numpy(x)
+    binding = sess.io_binding()
+    binding.bind_ortvalue_input("x", x_ort)
+    binding.bind_output("y")
+    RecordPointer.pointers.clear()
+    sess.run_with_iobinding(binding)
+    assert RecordPointer.pointers == [x_ort.data_ptr()]
+    np.testing.assert_array_equal(binding.copy_outputs_to_cpu()[0], x * 2)
+
+
+def test_output_feeds_other_ort_nodes():
+    # The inferred output types let a PythonOp output feed any ONNX node.
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    nodes = [python_op(Triple, [T("x", TP.FLOAT, 2)], [(TP.FLOAT, 2), (TP.INT64, 0)], out_names=["y", "n"]),
+             helper.make_node("Relu", ["y"], ["r"]), helper.make_node("Cast", ["n"], ["nf"], to=TP.FLOAT),
+             helper.make_node("Mul", ["r", "nf"], ["out"])]
+    sess = session(model(nodes, [value("x", TP.FLOAT, [2, 3])], [value("out")]))
+    (out,) = sess.run(None, {"x": x})
+    np.testing.assert_array_equal(out, np.maximum(x * 3, 0) * 6)
+
+
+def test_inference_mode_runs_without_autograd_and_keeps_no_context():
+    x = np.ones(3, np.float32)
+
+    node = python_op(Triple, [T("x", TP.FLOAT, 1, requires_grad=True)], [(TP.FLOAT, 1), (TP.INT64, 0)],
+                     out_names=["y", "n"])
+    sess = session(model([node], [value("x", TP.FLOAT, [3])], [value("ctx", TP.INT64), value("y")]))
+    for _ in range(3):
+        ctx, y = sess.run(None, {"x": x})
+        assert int(ctx) == 0
+    assert ortbridge.context_pool_size() == 0

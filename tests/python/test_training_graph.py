@@ -1,0 +1,171 @@
+"""PythonOp (training_mode=1) -> PythonOpGrad in one ONNX graph, against torch.autograd."""
+
+import numpy as np
+import torch
+from onnx import TensorProto as TP
+
+import ortbridge
+from conftest import T, model, python_op, python_op_grad, session, value
+
+
+@ortbridge.register
+class MulSum(torch.autograd.Function):
+    """y = x * w * alpha, s = sum(x + w): two outputs, a float constant between tensors."""
+
+    @staticmethod
+    def forward(ctx, x, alpha, w):
+        ctx.save_for_backward(x, w)
+        ctx.alpha = alpha
+        return x * w * alpha, (x + w).sum()
+
+    @staticmethod
+    def backward(ctx, gy, gs):
+        x, w = ctx.saved_tensors
+        return gy * w * ctx.alpha + gs, None, gy * x * ctx.alpha + gs
+
+
+def mulsum_session(present=(True, True), wanted=(True, True)):
+    fw = python_op(MulSum, [T("x", requires_grad=True), 0.3, T("w", requires_grad=True)],
+                   [(TP.FLOAT, 1), (TP.FLOAT, 0)], out_names=["y", "s"], training=True)
+    bw = python_op_grad(MulSum, "dcd", [("gy" if present[0] else None, TP.FLOAT, 1),
+                                         ("gs" if present[1] else None, TP.FLOAT, 0)],
+                        [("gx" if wanted[0] else None, TP.FLOAT, 1), ("gw" if wanted[1] else None, TP.FLOAT, 1)])
+    inputs = [value("x", shape=[None]), value("w", shape=[None])]
+    inputs += [value(n, shape=s) for n, s, p in (("gy", [None], present[0]), ("gs", [], present[1])) if p]
+    outputs = [value("y"), value("s")] + [value(n) for n, w in (("gx", wanted[0]), ("gw", wanted[1])) if w]
+    return session(model([fw, bw], inputs, outputs))
+
+
+def eager_mulsum(x, w, gy, gs):
+    xt, wt = torch.from_numpy(x).requires_grad_(), torch.from_numpy(w).requires_grad_()
+    y, s = MulSum.apply(xt, 0.3, wt)
+    gx, gw = torch.autograd.grad([y, s], [xt, wt], [torch.from_numpy(gy), torch.from_numpy(gs)])
+    return y.detach().numpy(), s.detach().numpy(), gx.numpy(), gw.numpy()
+
+
+def test_forward_and_backward_match_torch_autograd_exactly():
+    rng = np.random.default_rng(1)
+    sess = mulsum_session()
+    for n in (5, 1, 17):  # the same session at several sizes
+        x, w, gy = (rng.standard_normal(n).astype(np.float32) for _ in range(3))
+        gs = np.float32(rng.standard_normal())
+        got = sess.run(None, {"x": x, "w": w, "gy": gy, "gs": np.asarray(gs)})
+        for g, e in zip(got, eager_mulsum(x, w, gy, np.asarray(gs))):
+            np.testing.assert_array_equal(g, e)
+        assert ortbridge.context_pool_size() == 0
+
+
+def test_absent_gradient_is_materialized_as_zeros():
+    x, w, gy = (np.arange(4, dtype=np.float32) + k for k in range(3))
+    sess = mulsum_session(present=(True, False))
+    _, _, gx, gw = sess.run(None, {"x": x, "w": w, "gy": gy})
+    _, _, ex, ew = eager_mulsum(x, w, gy, np.asarray(0, np.float32))
+    np.testing.assert_array_equal(gx, ex)
+    np.testing.assert_array_equal(gw, ew)
+
+
+def test_unwanted_gradient_output_is_left_out():
+    x, w, gy = (np.arange(4, dtype=np.float32) + k for k in range(3))
+    sess = mulsum_session(wanted=(False, True))
+    y, s, gw = sess.run(None, {"x": x, "w": w, "gy": gy, "gs": np.asarray(1, np.float32)})
+    np.testing.assert_array_equal(gw, eager_mulsum(x, w, gy, np.asarray(1, np.float32))[3])
+
+
+@ortbridge.register
+class NoMaterialize(torch.autograd.Function):
+    seen = None
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.set_materialize_grads(False)
+        return x * 2, x * 3
+
+    @staticmethod
+    def backward(ctx, ga, gb):
+        NoMaterialize.seen = (ga is None, gb is None)
+        return ga * 2 if ga is not None else None
+
+
+def test_set_materialize_grads_false_passes_none():
+    fw = python_op(NoMaterialize, [T("x", requires_grad=True)], [(TP.FLOAT, 1)] * 2, out_names=["a", "b"],
+                   training=True)
+    bw = python_op_grad(NoMaterialize, "d", [("ga", TP.FLOAT, 1), (None, TP.FLOAT, 1)], [("gx", TP.FLOAT, 1)])
+    sess = session(model([fw, bw], [value("x", shape=[3]), value("ga", shape=[3])], [value("b"), value("gx")]))
+    _, gx = sess.run(None, {"x": np.ones(3, np.float32), "ga": np.full(3, 5, np.float32)})
+    assert NoMaterialize.seen == (False, True)
+    np.testing.assert_array_equal(gx, np.full(3, 10, np.float32))
+
+
+@ortbridge.register
+class SavesItsInput(torch.autograd.Function):
+    """Saves its input both ways torch allows; ORT's buffer must not be what is kept."""
+    forward_ptr = None
+
+    @staticmethod
+    def forward(ctx, x):
+        SavesItsInput.forward_ptr = x.data_ptr()
+        ctx.save_for_backward(x)
+        ctx.also = x
+        return x.exp()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        assert x.data_ptr() != SavesItsInput.forward_ptr, "saved tensor still views ORT's input buffer"
+        assert ctx.also.data_ptr() != SavesItsInput.forward_ptr, "ctx attribute still views ORT's input buffer"
+        return g * x.exp() + 0 * ctx.also
+
+
+def test_tensors_kept_for_backward_are_copies_of_ort_buffers():
+    # Relu makes x an intermediate that ORT may reuse once PythonOp has run.
+    from onnx import helper
+    fw = python_op(SavesItsInput, [T("r", requires_grad=True)], [(TP.FLOAT, 1)], out_names=["y"], training=True)
+    bw = python_op_grad(SavesItsInput, "d", [("g", TP.FLOAT, 1)], [("gr", TP.FLOAT, 1)])
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), fw, helper.make_node("Neg", ["y"], ["z"]), bw]
+    sess = session(model(nodes, [value("x", shape=[4]), value("g", shape=[4])], [value("z"), value("gr")]))
+    x = np.linspace(0.1, 1, 4, dtype=np.float32)
+    z, gr = sess.run(None, {"x": x, "g": np.ones(4, np.float32)})
+    np.testing.assert_allclose(z, -np.exp(x), rtol=1e-6)
+    np.testing.assert_allclose(gr, np.exp(x), rtol=1e-6)
+
+
+@ortbridge.register
+class NonDifferentiable(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.ones_like(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise AssertionError("backward of a Function whose output needs no gradient must not run")
+
+
+def test_backward_never_runs_when_no_output_needs_a_gradient():
+    # No input requires grad: the forward keeps no autograd context; the gradient is zero.
+    fw = python_op(NonDifferentiable, [T("x")], [(TP.FLOAT, 1)], out_names=["y"], training=True)
+    bw = python_op_grad(NonDifferentiable, "d", [("g", TP.FLOAT, 1)], [("gx", TP.FLOAT, 1)])
+    sess = session(model([fw, bw], [value("x", shape=[2]), value("g", shape=[2])], [value("y"), value("gx")]))
+    y, gx = sess.run(None, {"x": np.ones(2, np.float32), "g": np.ones(2, np.float32)})
+    np.testing.assert_array_equal(y, np.ones(2, np.float32))
+    np.testing.assert_array_equal(gx, np.zeros(2, np.float32))
+
+
+def test_context_crosses_sessions_until_released():
+    # A forward-only session hands out the context id; a backward-only session consumes it.
+    fw = python_op(MulSum, [T("x", requires_grad=True), 0.3, T("w", requires_grad=True)],
+                   [(TP.FLOAT, 1), (TP.FLOAT, 0)], out_names=["y", "s"], training=True)
+    forward = session(model([fw], [value("x", shape=[3]), value("w", shape=[3])],
+                            [value("ctx", TP.INT64), value("y"), value("s")]))
+    bw = python_op_grad(MulSum, "dcd", [("gy", TP.FLOAT, 1), ("gs", TP.FLOAT, 0)],
+                        [("gx", TP.FLOAT, 1), ("gw", TP.FLOAT, 1)])
+    backward = session(model([bw], [value("ctx", TP.INT64, []), value("gy", shape=[3]), value("gs", shape=[])],
+                             [value("gx"), value("gw")]))
+    x, w = np.ones(3, np.float32), np.arange(3, dtype=np.float32)
+    ctx1, *_ = forward.run(None, {"x": x, "w": w})
+    ctx2, *_ = forward.run(None, {"x": x, "w": w})
+    assert ortbridge.context_pool_size() == 2 and ctx1 != ctx2
+    gx, gw = backward.run(None, {"ctx": ctx2, "gy": np.ones(3, np.float32), "gs": np.asarray(0, np.float32)})
+    np.testing.assert_allclose(gw, x * 0.3, rtol=1e-6)
+    assert ortbridge.context_pool_size() == 1
+    assert ortbridge.release_context(int(ctx1)) is True
+    assert ortbridge.release_context(int(ctx1)) is False
