@@ -36,13 +36,14 @@ def _as_tuple(result, what: str) -> tuple:
     raise TypeError(f"{what} returned {type(result).__name__}; expected a tensor or a tuple of tensors")
 
 
-def _export_tensor(t, what: str):
-    """A DLPack capsule of `t` for the kernel, which checks dtype and rank against the node."""
+def _export_tensor(t, owner: str, index: int):
+    """A DLPack capsule of `t`; the kernel checks its dtype and rank against the node."""
+    if isinstance(t, torch.Tensor) and t.is_cpu:
+        return _to_dlpack(t)
+    what = f"{owner} {index}"
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what} is {type(t).__name__}; expected a torch.Tensor")
-    if t.device.type != "cpu":
-        raise RuntimeError(f"{what} is on {t.device}, but this kernel runs on the CPU execution provider")
-    return _to_dlpack(t.detach())
+    raise RuntimeError(f"{what} is on {t.device}, but this kernel runs on the CPU execution provider")
 
 
 def _unpack_saved(t):
@@ -68,6 +69,7 @@ class ForwardNode:
         self.func = registry.lookup(func_name)
         self.apply = self.func.apply
         self.name = registry.qualified_name(self.func)
+        self.forward_output = f"{self.name}.forward output"
         self.args = args
         self.tensor_positions = tensor_positions
         self.requires_grad = requires_grad if any(requires_grad) else None
@@ -82,12 +84,14 @@ class ForwardNode:
         if self.training:
             return self._run_training(args, tensors)
         grad_was_enabled = _is_grad_enabled()
-        _set_grad_enabled(False)
+        if grad_was_enabled:
+            _set_grad_enabled(False)
         try:
             outputs = self.apply(*args)
         finally:
-            _set_grad_enabled(grad_was_enabled)
-        return (None, *self._export(outputs))
+            if grad_was_enabled:
+                _set_grad_enabled(True)
+        return self._export(None, outputs)
 
     def _run_training(self, args: list, tensors: list) -> tuple:
         if self.requires_grad:
@@ -110,21 +114,24 @@ class ForwardNode:
         finally:
             _pop_saved_hooks()
             _set_grad_enabled(grad_was_enabled)
-        outputs = _as_tuple(outputs, f"{self.name}.forward")
+        if type(outputs) is not tuple:
+            outputs = _as_tuple(outputs, f"{self.name}.forward")
         ctx = next((o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None), None)
         if ctx is not None:
             _own_borrowed_attributes(ctx, borrowed)
         saved = Saved(ctx,
                       [(o.shape, o.dtype) for o in outputs if isinstance(o, torch.Tensor)],
                       [(t.shape, t.dtype) for t in tensors])
-        return (saved, *self._export(outputs))
+        return self._export(saved, outputs)
 
-    def _export(self, outputs) -> list:
-        outputs = _as_tuple(outputs, f"{self.name}.forward")
+    def _export(self, saved, outputs) -> tuple:
+        """(saved context or None, one capsule per output): what the kernel expects."""
+        if type(outputs) is not tuple:
+            outputs = _as_tuple(outputs, f"{self.name}.forward")
         if len(outputs) != self.output_count:
             raise RuntimeError(f"{self.name}.forward returned {len(outputs)} outputs, but the node declares "
                                f"{self.output_count} (output_tensor_types)")
-        return [_export_tensor(o, f"{self.name}.forward output {i}") for i, o in enumerate(outputs)]
+        return (saved, *[_export_tensor(o, self.forward_output, i) for i, o in enumerate(outputs)])
 
 
 def _own_borrowed_attributes(ctx, borrowed: set) -> None:
@@ -139,6 +146,7 @@ class BackwardNode:
         self.func = registry.lookup(func_name)
         self.backward = self.func.backward
         self.name = registry.qualified_name(self.func)
+        self.backward_value = f"{self.name}.backward value"
         self.argument_count = argument_count
         self.outputs = list(zip(output_positions, requires_grad))
 
@@ -158,7 +166,7 @@ class BackwardNode:
             elif isinstance(g, torch.Tensor) and g.shape != shape:
                 raise RuntimeError(f"{self.name}.backward value {position} has shape {tuple(g.shape)}, but "
                                    f"the forward input had shape {tuple(shape)}")
-            gradients.append(_export_tensor(g, f"{self.name}.backward value {position}"))
+            gradients.append(_export_tensor(g, self.backward_value, position))
         return tuple(gradients)
 
     def _call_backward(self, saved: Saved, grads: list) -> tuple:

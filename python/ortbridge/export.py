@@ -29,11 +29,16 @@ def export(model: torch.nn.Module, args, path=None, *, kwargs: dict | None = Non
     kwargs = kwargs or {}
     functions = [registry.lookup(name) for name in registry.registered_names()]
     calls = _CallLog()
-    with torch.no_grad(), _apply_replaced(functions, calls.record):
-        model(*args, **kwargs)
-    with _apply_replaced(functions, calls.emit), _quiet_exporter():
-        program = torch.onnx.export(model, args, kwargs=kwargs, dynamo=True, opset_version=opset_version,
-                                    verbose=False)
+    was_training = model.training
+    model.eval()  # an inference graph: training_mode=0, no autograd contexts
+    try:
+        with torch.no_grad(), _apply_replaced(functions, calls.record):
+            model(*args, **kwargs)
+        with _apply_replaced(functions, calls.emit), _quiet_exporter():
+            program = torch.onnx.export(model, args, kwargs=kwargs, dynamo=True, opset_version=opset_version,
+                                        verbose=False)
+    finally:
+        model.train(was_training)
     proto = program.model_proto
     _name_nodes(proto.graph)
     if path is not None:
@@ -116,13 +121,14 @@ class _CallLog:
         self.outputs = {}
 
     def record(self, func, apply, args):
+        call = _Call(func, args)  # refuse unsupported arguments before running anything
         result = apply(*args)
         outputs = result if isinstance(result, tuple) else (result,)
         for i, o in enumerate(outputs):
             if not isinstance(o, torch.Tensor):
                 raise TypeError(f"{registry.registered_name(func)}.forward output {i} is {type(o).__name__}; "
                                 "every output must be a tensor")
-        self.outputs[_Call(func, args).key] = (isinstance(result, tuple),
+        self.outputs[call.key] = (isinstance(result, tuple),
                                                [(o.dtype, tuple(o.shape)) for o in outputs])
         return result
 

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -355,7 +356,7 @@ TEST_F(ForwardTest, RejectsNegativeOutputRank) {
 
 TEST_F(ForwardTest, RejectsNodeWithoutContextOutput) {
   outputs = 0;
-  EXPECT_TRUE(Fails("output_tensor_types", "context id"));
+  EXPECT_TRUE(Fails("output_tensor_types", "needs output 0, the context id"));
 }
 
 TEST_F(ForwardTest, RejectsRequiresGradsWrongLength) {
@@ -418,6 +419,7 @@ const ScalarAttrs kScalars[] = {
     {"input_pointer_scalars", "input_pointer_scalar_positions", false},
     {"input_float_scalars", "input_float_scalar_positions", true},
 };
+void PrintTo(const ScalarAttrs& s, std::ostream* os) { *os << s.values; }
 
 class ForwardScalarTest : public ForwardTest, public ::testing::WithParamInterface<ScalarAttrs> {
  protected:
@@ -472,10 +474,6 @@ TEST_P(ForwardScalarTest, RejectsNegativePosition) {
 }
 
 TEST_P(ForwardScalarTest, RejectsPositionOfTensor) {
-  a.strings["input_convention"] = "dcdc";
-  a.int_lists["input_int_tuples"] = {};
-  a.int_lists["input_int_tuple_positions"] = {1};  // fills the other 'c' slot
-  a.int_lists["input_int_tuple_begins"] = {0};
   Values(1);
   Positions({0});
   EXPECT_TRUE(Fails(GetParam().positions, "position 0 is a tensor"));
@@ -550,6 +548,7 @@ const TupleAttrs kTuples[] = {
     {"input_int_tuples", "input_int_tuple_positions", "input_int_tuple_begins", false},
     {"input_float_tuples", "input_float_tuple_positions", "input_float_tuple_begins", true},
 };
+void PrintTo(const TupleAttrs& t, std::ostream* os) { *os << t.values; }
 
 class ForwardTupleTest : public ForwardTest, public ::testing::WithParamInterface<TupleAttrs> {
  protected:
@@ -755,7 +754,7 @@ TEST_F(BackwardTest, RejectsSafeRunMode) {
 
 TEST_F(BackwardTest, RejectsNodeWithoutContextInput) {
   inputs = 0;
-  EXPECT_TRUE(Fails("input_tensor_types", "context id"));
+  EXPECT_TRUE(Fails("input_tensor_types", "needs input 0, the context id"));
 }
 
 TEST_F(BackwardTest, RejectsMissingInputTensorTypes) {
@@ -838,8 +837,10 @@ TEST_F(BackwardTest, RejectsRequiresGradsWrongLength) {
 }
 
 TEST_F(BackwardTest, RejectsRequiresGradsNotBool) {
-  a.int_lists["output_tensor_requires_grads"] = {1, 2};
-  EXPECT_TRUE(Fails("output_tensor_requires_grads", "0 or 1"));
+  for (int64_t v : {2, -1}) {
+    a.int_lists["output_tensor_requires_grads"] = {1, v};
+    EXPECT_TRUE(Fails("output_tensor_requires_grads", "0 or 1")) << v;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,0 +1,219 @@
+"""Cost of moving tensors through an ortbridge PythonOp, against size.
+
+What is measured
+----------------
+A one-node ONNX graph, x -> PythonOp -> y (training_mode=0), runs a registered Function on a
+float32 tensor of 4 KiB .. 256 MiB (powers of 4). Two Functions:
+
+  clone  forward returns x.clone(): torch allocates and fills a new tensor, then the kernel
+         copies it into the output buffer ORT allocated. Two copies in all.
+  view   forward returns x.view_as(x), a view of ORT's own input buffer (inputs reach torch
+         zero-copy through DLPack): the only copy is the kernel's one memcpy into ORT's output
+         buffer, so this is the floor for "a Function produced a tensor, ORT owns it".
+
+ORT is driven through IOBinding: the input is bound to the data pointer of an existing torch
+tensor, the output is bound to the CPU device (ORT allocates it, from its arena, on every run),
+so no numpy conversion of the input or output is timed. References, timed in the same run:
+
+  torch.clone  x.clone() in eager torch: what the clone variant computes, minus the bridge.
+  copy_        out.copy_(x) into a preallocated tensor: one copy with no allocation, roughly
+               the memory-bandwidth floor for one pass.
+
+How to read it
+--------------
+Each row gives median microseconds per call (median over repeats of N back-to-back calls) and
+ratio = ORT / torch.clone for each variant. For small tensors the bridge's fixed cost
+(session run, GIL, DLPack, Function.apply, ~tens of us) dominates and the ratios are large.
+For large tensors the cost is bandwidth: "clone" should approach torch.clone plus one copy_
+(ratio up to ~2), "view" should approach one copy_ (ratio ~1 or below). torch.clone of a tensor
+above glibc's mmap threshold (32 MiB at most) gets fresh pages from the kernel on every call and
+pays page faults; ORT's arena reuses output memory that is already mapped, which is why the
+view variant can beat torch.clone at 64 MiB and up.
+
+torch and ORT intra-op threads are both set to --threads (default 1), so that every copy runs
+on one core, like the kernel's memcpy. Peak resident memory is printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from onnx import TensorProto, helper
+
+import ortbridge
+
+SIZES = [4 ** k for k in range(6, 15)]  # bytes: 4 KiB .. 256 MiB
+CLONE_NAME = "ortbridge_bench.CloneFn"
+VIEW_NAME = "ortbridge_bench.ViewFn"
+
+
+@ortbridge.register(name=CLONE_NAME)
+class CloneFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+@ortbridge.register(name=VIEW_NAME)
+class ViewFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def build_model(func_name: str) -> bytes:
+    node = helper.make_node(
+        "PythonOp", ["x"], ["ctx", "y"], domain="ortbridge", name="op", func_name=func_name,
+        input_convention="d", input_tensor_types=[TensorProto.FLOAT], input_tensor_ranks=[1],
+        output_tensor_types=[TensorProto.FLOAT], output_tensor_ranks=[1], training_mode=0)
+    graph = helper.make_graph([node], "one_op", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ortbridge", 1)])
+    return model.SerializeToString()
+
+
+def make_session(func_name: str, threads: int) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    return ortbridge.InferenceSession(build_model(func_name), so, providers=["CPUExecutionProvider"])
+
+
+def bound_call(sess: ort.InferenceSession, x: torch.Tensor):
+    io = sess.io_binding()
+    io.bind_input("x", "cpu", 0, np.float32, list(x.shape), x.data_ptr())
+    io.bind_output("y", "cpu")
+    run = sess.run_with_iobinding
+    return io, (lambda: run(io))
+
+
+def loop_time(fn, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
+def calibrate(fn, target: float) -> int:
+    n = 1
+    while True:
+        elapsed = loop_time(fn, n) * n
+        if elapsed >= min(0.03, target / 4):
+            break
+        n *= 2
+    return max(1, int(round(target * n / elapsed)))
+
+
+def fmt_size(nbytes: int) -> str:
+    for unit, scale in (("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes // scale}{unit}"
+    return str(nbytes)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=7, help="timed repeats per measurement (median reported)")
+    p.add_argument("--target", type=float, default=0.15, help="seconds per repeat (sets N)")
+    p.add_argument("--large-repeats", type=int, default=5, help="repeats for 64 MiB and up (N is 1-2 there)")
+    p.add_argument("--max-size", default="256M", help="largest tensor, e.g. 16M (default 256M)")
+    p.add_argument("--threads", type=int, default=1, help="torch and ORT intra-op threads")
+    p.add_argument("--quick", action="store_true", help="smoke run: 3 repeats of ~0.02 s, up to 64M")
+    args = p.parse_args(argv)
+    repeats, target, large_repeats, max_size = args.repeats, args.target, args.large_repeats, args.max_size
+    if args.quick:
+        repeats, target, large_repeats, max_size = 3, 0.02, 2, "64M" if max_size == "256M" else max_size
+    units = {"K": 1 << 10, "M": 1 << 20}
+    try:
+        max_bytes = int(max_size[:-1]) * units[max_size[-1].upper()] if max_size[-1].upper() in units else int(max_size)
+    except ValueError:
+        p.error(f"bad --max-size {max_size!r}")
+    sizes = [s for s in SIZES if s <= max_bytes]
+
+    torch.set_num_threads(args.threads)
+    sess_clone = make_session(CLONE_NAME, args.threads)
+    sess_view = make_session(VIEW_NAME, args.threads)
+
+    print(f"python {platform.python_version()}  torch {torch.__version__}  onnxruntime {ort.__version__}  "
+          f"onnx {onnx.__version__}  numpy {np.__version__}")
+    print(f"cpus {os.cpu_count()}  torch/ORT intra-op threads {args.threads}  repeats {repeats} "
+          f"({large_repeats} from 64M)  ~{target:g} s/repeat  feed: IOBinding (input bound to a torch pointer, "
+          f"output ORT-allocated on cpu)")
+    print("times: median microseconds per call; ratio = ORT / torch.clone")
+    print()
+    print(f"{'size':>5} {'ORT clone':>11} {'ORT view':>11} {'torch.clone':>12} {'copy_':>11} "
+          f"{'clone/tc':>9} {'view/tc':>8} {'view GB/s':>10}")
+
+    for nbytes in sizes:
+        numel = nbytes // 4
+        x = torch.rand(numel, dtype=torch.float32)
+        out = torch.empty_like(x)
+        io_c, ort_clone = bound_call(sess_clone, x)
+        io_v, ort_view = bound_call(sess_view, x)
+
+        def torch_clone():
+            return x.clone()
+
+        def copy_():
+            return out.copy_(x)
+
+        # Correctness, once per size: both variants return x, in a buffer that is not x's.
+        for io, call in ((io_c, ort_clone), (io_v, ort_view)):
+            call()
+            y = io.get_outputs()[0]
+            assert y.shape() == [numel], y.shape()
+            assert y.data_ptr() != x.data_ptr(), "ORT output aliases the input"
+            assert np.array_equal(y.numpy(), x.numpy()), "ORT output differs from the input"
+            del y
+
+        fns = (ort_clone, ort_view, torch_clone, copy_)
+        large = nbytes >= (64 << 20)
+        reps = large_repeats if large else repeats
+        for fn in fns:  # warm up: arena growth, page mapping, allocator caches
+            for _ in range(2 if large else 10):
+                fn()
+        ns = [calibrate(fn, target) for fn in fns]
+        times: list[list[float]] = [[] for _ in fns]
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(reps):
+                for fn, n, acc in zip(fns, ns, times):
+                    acc.append(loop_time(fn, n))
+        finally:
+            gc.enable()
+        t_clone, t_view, t_tc, t_copy = (statistics.median(t) for t in times)
+        print(f"{fmt_size(nbytes):>5} {t_clone * 1e6:>11.1f} {t_view * 1e6:>11.1f} {t_tc * 1e6:>12.1f} "
+              f"{t_copy * 1e6:>11.1f} {t_clone / t_tc:>9.2f} {t_view / t_tc:>8.2f} {nbytes / t_view / 1e9:>10.2f}",
+              flush=True)
+        del io_c, io_v, ort_clone, ort_view, fns, x, out
+        gc.collect()
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    print()
+    print(f"peak RSS {peak / 1024:.0f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
