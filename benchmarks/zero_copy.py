@@ -21,14 +21,18 @@ so no numpy conversion of the input or output is timed. References, timed in the
 
 How to read it
 --------------
-Each row gives median microseconds per call (median over repeats of N back-to-back calls) and
-ratio = ORT / torch.clone for each variant. For small tensors the bridge's fixed cost
-(session run, GIL, DLPack, Function.apply, ~tens of us) dominates and the ratios are large.
-For large tensors the cost is bandwidth: "clone" should approach torch.clone plus one copy_
-(ratio up to ~2), "view" should approach one copy_ (ratio ~1 or below). torch.clone of a tensor
-above glibc's mmap threshold (32 MiB at most) gets fresh pages from the kernel on every call and
-pays page faults; ORT's arena reuses output memory that is already mapped, which is why the
-view variant can beat torch.clone at 64 MiB and up.
+Each row gives median microseconds per call (median over repeats of N back-to-back calls),
+ratio = ORT / torch.clone for each variant ("clone/tc", "view/tc"), and "view GB/s" = size /
+ORT view time (bytes delivered into ORT's output per second). For small tensors the bridge's
+fixed cost (session run, GIL, DLPack, Function.apply: tens of us) dominates and the ratios are
+large. For large tensors the cost is bandwidth: "clone" costs torch.clone plus one copy, and
+"view" costs about one copy_, so view/tc near or below 1 means the bridge adds nothing beyond
+the one unavoidable copy into ORT's buffer. Around 1-16 MiB, clone/tc can exceed 2: the clone
+variant touches three buffers (input, torch's clone, ORT's output) where torch.clone touches
+two, and falls out of cache sooner. From 64 MiB torch.clone gets fresh pages from the kernel on
+every call (glibc serves blocks above its mmap threshold, at most 32 MiB, with mmap/munmap) and
+pays a page fault per 4 KiB page (partly so already at 4-16 MiB, where glibc trims the heap), while ORT's arena reuses output memory that is already mapped; that is why
+"view" beats torch.clone there, and why clone/tc drops towards 1.
 
 torch and ORT intra-op threads are both set to --threads (default 1), so that every copy runs
 on one core, like the kernel's memcpy. Peak resident memory is printed at the end.

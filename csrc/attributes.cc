@@ -10,36 +10,48 @@ namespace {
   throw AttributeError("attribute '" + attr + "': " + what);
 }
 
+// After a typed getter failed: absent is fine (or an error when required), another type never is.
+bool Absent(const AttributeSource& a, const char* name, const char* type, bool required) {
+  if (a.Has(name)) Fail(name, std::string("has the wrong type; expected ") + type);
+  if (required) Fail(name, std::string("required ") + type + " attribute is missing");
+  return true;
+}
+
 std::string RequireString(const AttributeSource& a, const char* name) {
   std::string s;
-  if (!a.GetString(name, &s)) Fail(name, "required STRING attribute is missing or not a string");
+  if (!a.GetString(name, &s)) Absent(a, name, "STRING", true);
   if (s.empty()) Fail(name, "must not be empty");
   return s;
 }
 
+// Returns false when the attribute is absent.
+bool OptionalInts(const AttributeSource& a, const char* name, std::vector<int64_t>* v) {
+  return a.GetInts(name, v) || !Absent(a, name, "INTS", false);
+}
+
 std::vector<int64_t> Ints(const AttributeSource& a, const char* name, bool required) {
   std::vector<int64_t> v;
-  if (!a.GetInts(name, &v) && required) Fail(name, "required INTS attribute is missing or not a list of ints");
+  if (!a.GetInts(name, &v)) Absent(a, name, "INTS", required);
   return v;
 }
 
 std::vector<float> Floats(const AttributeSource& a, const char* name) {
   std::vector<float> v;
-  a.GetFloats(name, &v);
+  if (!a.GetFloats(name, &v)) Absent(a, name, "FLOATS", false);
   return v;
 }
 
 bool Flag(const AttributeSource& a, const char* name, int64_t default_value) {
   int64_t v = default_value;
-  a.GetInt(name, &v);
+  if (!a.GetInt(name, &v)) Absent(a, name, "INT", false);
   if (v != 0 && v != 1) Fail(name, "must be 0 or 1, got " + std::to_string(v));
   return v == 1;
 }
 
+std::string Entries(size_t n) { return std::to_string(n) + (n == 1 ? " entry" : " entries"); }
+
 void CheckSize(const char* name, size_t got, size_t want, const std::string& of) {
-  if (got != want) {
-    Fail(name, "has " + std::to_string(got) + " entries, expected " + std::to_string(want) + " (" + of + ")");
-  }
+  if (got != want) Fail(name, "has " + Entries(got) + ", expected " + std::to_string(want) + " (" + of + ")");
 }
 
 void CheckConvention(const char* name, const std::string& conv) {
@@ -63,7 +75,7 @@ std::vector<int64_t> Ranks(const AttributeSource& a, const char* name, size_t co
                            bool required) {
   std::vector<int64_t> r;
   if (!a.GetInts(name, &r)) {
-    if (required) Fail(name, "required INTS attribute is missing or not a list of ints");
+    Absent(a, name, "INTS", required);
     return std::vector<int64_t>(count, -1);
   }
   CheckSize(name, r.size(), count, of);
@@ -116,7 +128,7 @@ void ReadFloatScalars(const AttributeSource& a, const std::string& conv, std::ve
   auto positions = Ints(a, "input_float_scalar_positions", false);
   CheckSize("input_float_scalar_positions", positions.size(), values.size(), "one per value of input_float_scalars");
   std::vector<int64_t> exact;  // ortbridge extension: the float64 bit patterns, exact
-  if (a.GetInts("input_float_scalars_f64", &exact)) {
+  if (OptionalInts(a, "input_float_scalars_f64", &exact)) {
     CheckSize("input_float_scalars_f64", exact.size(), values.size(), "one per value of input_float_scalars");
   }
   for (size_t i = 0; i < values.size(); ++i) {
@@ -136,7 +148,7 @@ void ReadTuples(const AttributeSource& a, const char* values_name, const char* p
   if (kind == Constant::Kind::kFloatTuple) {
     for (float f : Floats(a, values_name)) floats.push_back(f);
     std::vector<int64_t> exact;
-    if (a.GetInts("input_float_tuples_f64", &exact)) {
+    if (OptionalInts(a, "input_float_tuples_f64", &exact)) {
       CheckSize("input_float_tuples_f64", exact.size(), floats.size(), "one per value of input_float_tuples");
       for (size_t i = 0; i < exact.size(); ++i) floats[i] = FromBits(exact[i]);
     }
@@ -194,13 +206,17 @@ ForwardLayout ParseForward(const AttributeSource& a, size_t input_count, size_t 
   f.input_tensor_ranks = Ranks(a, "input_tensor_ranks", input_count, "one per tensor input", false);
 
   std::vector<int64_t> rg;
-  if (a.GetInts("input_requires_grads", &rg)) {
+  if (OptionalInts(a, "input_requires_grads", &rg)) {
     CheckSize("input_requires_grads", rg.size(), conv.size(), "one per argument in input_convention");
   } else {
     rg.assign(conv.size(), 0);
   }
   for (size_t i = 0; i < conv.size(); ++i) {
     if (rg[i] != 0 && rg[i] != 1) Fail("input_requires_grads", "entries must be 0 or 1");
+    if (rg[i] == 1 && conv[i] == 'c') {
+      Fail("input_requires_grads", "entry " + std::to_string(i) + " is 1, but argument " + std::to_string(i) +
+                                       " is a constant");
+    }
     if (conv[i] == 'd') {
       f.tensor_positions.push_back(i);
       f.requires_grad.push_back(rg[i] == 1);
@@ -238,9 +254,10 @@ ForwardLayout ParseForward(const AttributeSource& a, size_t input_count, size_t 
   f.output_tensor_ranks =
       Ranks(a, "output_tensor_ranks", output_count - 1, "one per node output after the context id", true);
 
-  std::vector<int64_t> reuse;
-  if (a.GetInts("tensor_reuse_map", &reuse)) {
+  std::vector<int64_t> reuse;  // validated for ORT compatibility; stock ORT's planner ignores it
+  if (OptionalInts(a, "tensor_reuse_map", &reuse)) {
     CheckSize("tensor_reuse_map", reuse.size(), output_count, "one per node output, context id included");
+    if (reuse[0] != -1) Fail("tensor_reuse_map", "entry 0 (the context id) must be -1");
     for (int64_t r : reuse) {
       if (r < -1 || r >= static_cast<int64_t>(input_count)) Fail("tensor_reuse_map", "entry is not -1 or a tensor input index");
     }
@@ -266,7 +283,7 @@ BackwardLayout ParseBackward(const AttributeSource& a, size_t input_count, size_
   const size_t slots = b.input_tensor_types.size();
   b.input_tensor_ranks = Ranks(a, "input_tensor_ranks", slots, "one per entry of input_tensor_types", false);
   std::vector<int64_t> present;
-  if (a.GetInts("input_tensor_present", &present)) {
+  if (OptionalInts(a, "input_tensor_present", &present)) {
     CheckSize("input_tensor_present", present.size(), slots, "one per entry of input_tensor_types");
   } else {
     present.assign(slots, 1);
@@ -275,8 +292,11 @@ BackwardLayout ParseBackward(const AttributeSource& a, size_t input_count, size_
     if (present[i] != 0 && present[i] != 1) Fail("input_tensor_present", "entries must be 0 or 1");
     if (present[i]) b.grad_input_slots.push_back(i);
   }
-  CheckSize("input_tensor_types", b.grad_input_slots.size(), input_count - 1,
-            "present gradients must match the node's inputs after the context id");
+  if (b.grad_input_slots.size() != input_count - 1) {
+    Fail("input_tensor_present", "marks " + std::to_string(b.grad_input_slots.size()) +
+                                     " gradients present, but the node has " + std::to_string(input_count - 1) +
+                                     " inputs after the context id");
+  }
 
   const std::string& conv = b.output_convention;
   for (size_t i = 0; i < conv.size(); ++i) {

@@ -11,10 +11,12 @@
 namespace ortbridge {
 
 // Where attributes come from: the ORT kernel info in production, a map in tests.
-// Each getter returns false when the attribute is absent or has another type.
+// Each getter returns false when the attribute is absent or has another type; Has tells the two
+// apart (only on error paths, so it may be slow).
 class AttributeSource {
  public:
   virtual ~AttributeSource() = default;
+  virtual bool Has(const char* name) const = 0;
   virtual bool GetInt(const char* name, int64_t* out) const = 0;
   virtual bool GetString(const char* name, std::string* out) const = 0;
   virtual bool GetInts(const char* name, std::vector<int64_t>* out) const = 0;

@@ -17,6 +17,18 @@ bool KernelInfoAttributes::Ok(OrtStatus* status) const {
   return false;
 }
 
+bool KernelInfoAttributes::Has(const char* name) const {
+  // The C API has no presence query: an attribute exists if a getter of some type finds it.
+  int64_t i;
+  float f;
+  size_t size = 0;
+  return Ok(api_.KernelInfoGetAttribute_int64(info_, name, &i)) ||
+         Ok(api_.KernelInfoGetAttribute_float(info_, name, &f)) ||
+         Ok(api_.KernelInfoGetAttribute_string(info_, name, nullptr, &size)) ||
+         Ok(api_.KernelInfoGetAttributeArray_int64(info_, name, nullptr, &size)) ||
+         Ok(api_.KernelInfoGetAttributeArray_float(info_, name, nullptr, &size));
+}
+
 bool KernelInfoAttributes::GetInt(const char* name, int64_t* out) const {
   return Ok(api_.KernelInfoGetAttribute_int64(info_, name, out));
 }

@@ -41,6 +41,7 @@ OrtStatus* Guarded(const OrtApi& api, const std::string& prefix, F&& body) noexc
 class KernelInfoAttributes : public AttributeSource {
  public:
   KernelInfoAttributes(const OrtApi& api, const OrtKernelInfo* info) : api_(api), info_(info) {}
+  bool Has(const char* name) const override;
   bool GetInt(const char* name, int64_t* out) const override;
   bool GetString(const char* name, std::string* out) const override;
   bool GetInts(const char* name, std::vector<int64_t>* out) const override;

@@ -22,6 +22,9 @@ class MapAttributes : public AttributeSource {
   std::map<std::string, std::vector<int64_t>> int_lists;
   std::map<std::string, std::vector<float>> float_lists;
 
+  bool Has(const char* name) const override {
+    return ints.count(name) || strings.count(name) || int_lists.count(name) || float_lists.count(name);
+  }
   bool GetInt(const char* name, int64_t* out) const override { return Find(ints, name, out); }
   bool GetString(const char* name, std::string* out) const override { return Find(strings, name, out); }
   bool GetInts(const char* name, std::vector<int64_t>* out) const override { return Find(int_lists, name, out); }
@@ -249,7 +252,7 @@ TEST_F(ForwardTest, RejectsMissingFuncName) {
 TEST_F(ForwardTest, RejectsFuncNameOfAnotherType) {
   a.Erase("func_name");
   a.ints["func_name"] = 1;
-  EXPECT_TRUE(Fails("func_name", "missing or not a string"));
+  EXPECT_TRUE(Fails("func_name", "has the wrong type; expected STRING"));
 }
 
 TEST_F(ForwardTest, RejectsEmptyFuncName) {
@@ -276,7 +279,7 @@ TEST_F(ForwardTest, RejectsMissingInputTensorTypes) {
 TEST_F(ForwardTest, RejectsInputTensorTypesAsFloats) {
   a.Erase("input_tensor_types");
   a.float_lists["input_tensor_types"] = {1.0f};
-  EXPECT_TRUE(Fails("input_tensor_types", "missing"));
+  EXPECT_TRUE(Fails("input_tensor_types", "has the wrong type; expected INTS"));
 }
 
 TEST_F(ForwardTest, RejectsMissingOutputTensorTypes) {
@@ -305,7 +308,7 @@ TEST_F(ForwardTest, RejectsTensorCountNotMatchingInputs) {
   a.strings["input_convention"] = "dc";
   a.int_lists["input_int_scalars"] = {1};
   a.int_lists["input_int_scalar_positions"] = {1};
-  EXPECT_TRUE(Fails("input_convention", "has 1 entries, expected 2"));
+  EXPECT_TRUE(Fails("input_convention", "has 1 entry, expected 2"));
 }
 
 TEST_F(ForwardTest, RejectsInputTypesLengthMismatch) {
@@ -392,7 +395,36 @@ TEST_F(ForwardTest, RejectsSafeRunModeZero) {
   EXPECT_TRUE(Fails("safe_run_mode", "not supported"));
 }
 
+// -- malformed: optional attributes of the wrong type are errors, not defaults ----------------
+
+TEST_F(ForwardTest, RejectsOptionalAttributesOfTheWrongType) {
+  a.strings["training_mode"] = "1";
+  EXPECT_TRUE(Fails("training_mode", "has the wrong type; expected INT"));
+  a.Erase("training_mode");
+  a.float_lists["input_requires_grads"] = {1.0f};
+  EXPECT_TRUE(Fails("input_requires_grads", "has the wrong type; expected INTS"));
+  a.Erase("input_requires_grads");
+  a.int_lists["input_float_scalars"] = {1};
+  EXPECT_TRUE(Fails("input_float_scalars", "has the wrong type; expected FLOATS"));
+  a.Erase("input_float_scalars");
+  a.float_lists["input_tensor_ranks"] = {1.0f};
+  EXPECT_TRUE(Fails("input_tensor_ranks", "has the wrong type; expected INTS"));
+}
+
+TEST_F(ForwardTest, RejectsRequiresGradOnAConstant) {
+  UseConstantSlot();
+  a.int_lists["input_int_scalars"] = {3};
+  a.int_lists["input_int_scalar_positions"] = {1};
+  a.int_lists["input_requires_grads"] = {0, 1, 0};
+  EXPECT_TRUE(Fails("input_requires_grads", "argument 1 is a constant"));
+}
+
 // -- malformed: tensor_reuse_map ---------------------------------------------------------------
+
+TEST_F(ForwardTest, RejectsReuseOfAnInputForTheContextId) {
+  a.int_lists["tensor_reuse_map"] = {0, -1};
+  EXPECT_TRUE(Fails("tensor_reuse_map", "entry 0 (the context id) must be -1"));
+}
 
 TEST_F(ForwardTest, RejectsReuseMapWrongLength) {
   a.int_lists["tensor_reuse_map"] = {-1};  // counts the context id too
@@ -458,7 +490,7 @@ TEST_P(ForwardScalarTest, RejectsValuesWithoutPositions) {
 
 TEST_P(ForwardScalarTest, RejectsPositionsWithoutValues) {
   Positions({1});
-  EXPECT_TRUE(Fails(GetParam().positions, "has 1 entries, expected 0"));
+  EXPECT_TRUE(Fails(GetParam().positions, "has 1 entry, expected 0"));
 }
 
 TEST_P(ForwardScalarTest, RejectsPositionOutOfRange) {
@@ -663,7 +695,7 @@ TEST_F(ForwardTest, RejectsFloatTuplesF64WrongLength) {
   a.int_lists["input_float_tuple_positions"] = {1};
   a.int_lists["input_float_tuple_begins"] = {0};
   a.int_lists["input_float_tuples_f64"] = {Bits(1.0)};
-  EXPECT_TRUE(Fails("input_float_tuples_f64", "has 1 entries, expected 2"));
+  EXPECT_TRUE(Fails("input_float_tuples_f64", "has 1 entry, expected 2"));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -769,7 +801,7 @@ TEST_F(BackwardTest, RejectsUnsupportedInputType) {
 
 TEST_F(BackwardTest, RejectsInputRanksWrongLength) {
   a.int_lists["input_tensor_ranks"] = {1};
-  EXPECT_TRUE(Fails("input_tensor_ranks", "has 1 entries, expected 2"));
+  EXPECT_TRUE(Fails("input_tensor_ranks", "has 1 entry, expected 2"));
 }
 
 TEST_F(BackwardTest, RejectsTensorCountNotMatchingOutputs) {
@@ -781,7 +813,7 @@ TEST_F(BackwardTest, RejectsTensorCountNotMatchingOutputs) {
 
 TEST_F(BackwardTest, RejectsPresentMaskWrongLength) {
   a.int_lists["input_tensor_present"] = {1};
-  EXPECT_TRUE(Fails("input_tensor_present", "has 1 entries, expected 2"));
+  EXPECT_TRUE(Fails("input_tensor_present", "has 1 entry, expected 2"));
 }
 
 TEST_F(BackwardTest, RejectsPresentMaskNotBool) {
@@ -793,10 +825,10 @@ TEST_F(BackwardTest, RejectsPresentMaskNotBool) {
 
 TEST_F(BackwardTest, RejectsPresentCountNotMatchingInputs) {
   inputs = 3;  // two gradient inputs, one present slot
-  EXPECT_TRUE(Fails("input_tensor_types", "present gradients"));
+  EXPECT_TRUE(Fails("input_tensor_present", "marks 1 gradients present, but the node has 2 inputs"));
   a.int_lists["input_tensor_present"] = {1, 1};
   inputs = 2;
-  EXPECT_TRUE(Fails("input_tensor_types", "present gradients"));
+  EXPECT_TRUE(Fails("input_tensor_present", "marks 2 gradients present, but the node has 1 inputs"));
 }
 
 TEST_F(BackwardTest, RejectsMissingOutputTensorTypes) {
@@ -806,7 +838,7 @@ TEST_F(BackwardTest, RejectsMissingOutputTensorTypes) {
 
 TEST_F(BackwardTest, RejectsOutputTypesWrongLength) {
   a.int_lists["output_tensor_types"] = {1};
-  EXPECT_TRUE(Fails("output_tensor_types", "has 1 entries, expected 2"));
+  EXPECT_TRUE(Fails("output_tensor_types", "has 1 entry, expected 2"));
 }
 
 TEST_F(BackwardTest, RejectsUnsupportedOutputType) {
@@ -821,7 +853,7 @@ TEST_F(BackwardTest, RejectsMissingOutputTensorRanks) {
 
 TEST_F(BackwardTest, RejectsOutputRanksWrongLengthOrNegative) {
   a.int_lists["output_tensor_ranks"] = {2};
-  EXPECT_TRUE(Fails("output_tensor_ranks", "has 1 entries, expected 2"));
+  EXPECT_TRUE(Fails("output_tensor_ranks", "has 1 entry, expected 2"));
   a.int_lists["output_tensor_ranks"] = {2, -1};
   EXPECT_TRUE(Fails("output_tensor_ranks", "rank -1"));
 }
