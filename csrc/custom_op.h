@@ -17,7 +17,7 @@ template <class Kernel>
 struct CustomOp : OrtCustomOp {
   CustomOp() {
     std::memset(static_cast<OrtCustomOp*>(this), 0, sizeof(OrtCustomOp));
-    version = kOrtApiVersion;  // enables V2 callbacks (16) and shape inference (17) and nothing newer
+    version = kCustomOpVersion;
     GetName = [](const OrtCustomOp*) { return Kernel::kName; };
     GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return nullptr; };  // CPU
     GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
@@ -41,6 +41,17 @@ struct CustomOp : OrtCustomOp {
     InferOutputShapeFn = [](const OrtCustomOp*, OrtShapeInferContext* context) {
       return Kernel::InferShape(context);
     };
+    if (Kernel::kInplace) {  // ORT may hand input 0's buffer to output 1 (it decides per graph)
+      GetMayInplace = [](int** input_index, int** output_index) -> size_t {
+        *input_index = new int[1]{0};
+        *output_index = new int[1]{1};
+        return 1;
+      };
+      ReleaseMayInplace = [](int* input_index, int* output_index) {
+        delete[] input_index;
+        delete[] output_index;
+      };
+    }
   }
 };
 

@@ -1,5 +1,6 @@
 #include "kernel_io.h"
 
+#include <atomic>
 #include <stdexcept>
 #include <string>
 
@@ -7,6 +8,8 @@
 
 namespace ortbridge {
 namespace {
+
+std::atomic<uint64_t> g_skipped_copies{0};
 
 void CheckElementType(const std::string& what, int64_t got, int64_t expected) {
   if (got != expected) {
@@ -41,7 +44,7 @@ py::tuple BorrowInputs(const std::vector<TensorView>& inputs) {
   return capsules;
 }
 
-void WriteOutput(const OrtApi& api, OrtKernelContext* context, size_t index, PyObject* capsule, int64_t type,
+void* WriteOutput(const OrtApi& api, OrtKernelContext* context, size_t index, PyObject* capsule, int64_t type,
                  int64_t rank, const std::string& what) {
   ImportedTensor t(capsule);
   const dl::Tensor& d = t.tensor();
@@ -55,7 +58,14 @@ void WriteOutput(const OrtApi& api, OrtKernelContext* context, size_t index, PyO
                              std::to_string(rank));
   }
   void* dst = AllocateOutput(api, context, index, t.shape());
-  if (dst != t.data()) t.CopyTo(dst);  // equal when the Function wrote into ORT's own buffer
+  if (dst != t.data()) {
+    t.CopyTo(dst);
+  } else {
+    g_skipped_copies.fetch_add(1, std::memory_order_relaxed);  // the Function wrote into ORT's buffer
+  }
+  return dst;
 }
+
+uint64_t SkippedOutputCopies() { return g_skipped_copies.load(); }
 
 }  // namespace ortbridge

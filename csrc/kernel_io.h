@@ -15,12 +15,16 @@ namespace ortbridge {
 // Input `index`, which must be present and of element type `type`. Read before the GIL is taken.
 TensorView ReadInput(const OrtApi& api, OrtKernelContext* context, size_t index, int64_t type);
 
+// Outputs written without a copy because the Function wrote into the buffer ORT gave the output.
+uint64_t SkippedOutputCopies();
+
 // A tuple of capsules viewing the inputs (None for an empty view, elem_type 0). GIL held.
 py::tuple BorrowInputs(const std::vector<TensorView>& inputs);
 
 // Writes `capsule` (a tensor from Python) to output `index`, after checking that it lives on
-// the CPU and has `type` and `rank`. `what` names it in errors ("output 2"). GIL held.
-void WriteOutput(const OrtApi& api, OrtKernelContext* context, size_t index, PyObject* capsule, int64_t type,
+// the CPU and has `type` and `rank`; returns the output's buffer. `what` names it in errors
+// ("output 2"). GIL held.
+void* WriteOutput(const OrtApi& api, OrtKernelContext* context, size_t index, PyObject* capsule, int64_t type,
                  int64_t rank, const std::string& what);
 
 }  // namespace ortbridge

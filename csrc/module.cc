@@ -2,7 +2,7 @@
 // loads it by path it gets this already-loaded copy, so kernels and Python share one context pool.
 #include <pybind11/pybind11.h>
 
-#include "proxy.h"
+#include "kernel_io.h"
 
 namespace py = pybind11;
 
@@ -17,6 +17,9 @@ PYBIND11_MODULE(_C, m) {
         return saved.has_value();
       },
       py::arg("context_id"), "Drops a context whose backward will never run. Returns whether it was live.");
+  m.def("skipped_output_copies", &ortbridge::SkippedOutputCopies,
+        "Outputs written without a copy since the process started: the Function wrote in place into the "
+        "buffer ONNX Runtime gave the output.");
   m.def("_shutdown", &ortbridge::Shutdown);
   py::module_::import("atexit").attr("register")(m.attr("_shutdown"));
 }

@@ -57,11 +57,13 @@ bool KernelInfoAttributes::GetFloats(const char* name, std::vector<float>* out) 
   return size == 0 || Ok(api_.KernelInfoGetAttributeArray_float(info_, name, out->data(), &size));
 }
 
-std::vector<int64_t> ShapeInferInts(const OrtApi& api, OrtShapeInferContext* ctx, const char* name) {
+std::vector<int64_t> ShapeInferInts(const OrtApi& api, OrtShapeInferContext* ctx, const char* name,
+                                    bool required) {
   const OrtOpAttr* attr = nullptr;
   OrtStatus* status = api.ShapeInferContext_GetAttribute(ctx, name, &attr);
   if (status || !attr) {
     if (status) api.ReleaseStatus(status);
+    if (!required) return {};
     throw OrtError(std::string("attribute '") + name + "' is missing");
   }
   size_t size = 0;
@@ -92,6 +94,12 @@ void SetOutputTypeAndRank(const OrtApi& api, OrtShapeInferContext* ctx, size_t i
   if (!status) status = api.ShapeInferContext_SetOutputTypeShape(ctx, index, info);
   api.ReleaseTensorTypeAndShapeInfo(info);
   ThrowOnError(api, status);
+}
+
+void CopyInputTypeShape(const OrtApi& api, OrtShapeInferContext* ctx, size_t input, size_t output) {
+  OrtTensorTypeAndShapeInfo* info = nullptr;  // owned by the context
+  ThrowOnError(api, api.ShapeInferContext_GetInputTypeShape(ctx, input, &info));
+  ThrowOnError(api, api.ShapeInferContext_SetOutputTypeShape(ctx, output, info));
 }
 
 std::string NodeName(const OrtApi& api, const OrtKernelInfo* info) {

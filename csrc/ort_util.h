@@ -14,6 +14,9 @@ namespace ortbridge {
 
 // The lowest ORT API the kernels use: V2 (status) callbacks, shape inference, node names.
 constexpr uint32_t kOrtApiVersion = 17;
+// OrtCustomOp::version: ORT reads the callbacks of that version and no newer. 18 adds MayInplace;
+// ORT 1.18 and newer load the library.
+constexpr uint32_t kCustomOpVersion = 18;
 
 // An ORT call that failed inside a kernel; turned back into an OrtStatus at the C boundary.
 class OrtError : public std::runtime_error {
@@ -53,8 +56,13 @@ class KernelInfoAttributes : public AttributeSource {
   const OrtKernelInfo* info_;
 };
 
-// Attributes of a node during shape inference (only the integer lists are needed there).
-std::vector<int64_t> ShapeInferInts(const OrtApi& api, OrtShapeInferContext* ctx, const char* name);
+// Attributes of a node during shape inference (only the integer lists are needed there); an
+// optional one that is absent reads as empty.
+std::vector<int64_t> ShapeInferInts(const OrtApi& api, OrtShapeInferContext* ctx, const char* name,
+                                    bool required = true);
+
+// Gives output `output` the inferred type and shape of input `input`.
+void CopyInputTypeShape(const OrtApi& api, OrtShapeInferContext* ctx, size_t input, size_t output);
 
 // Sets output `index` to a tensor of `elem_type` and `rank` unknown dimensions.
 void SetOutputTypeAndRank(const OrtApi& api, OrtShapeInferContext* ctx, size_t index, int64_t elem_type,

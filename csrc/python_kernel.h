@@ -49,7 +49,10 @@ class PythonKernel {
   py::object run_;  // the runner node's bound `run` method
 };
 
-// Sets outputs [first, ...) from the node's output_tensor_types and output_tensor_ranks.
-void InferOutputsFromAttributes(const OrtApi& api, OrtShapeInferContext* context, size_t first);
+// Sets outputs [first, ...) from the node's output_tensor_types and output_tensor_ranks, except
+// that output j takes the type and shape of input reuse[j] when that entry is >= 0 (an output
+// that is its input updated in place: tensor_reuse_map).
+void InferOutputsFromAttributes(const OrtApi& api, OrtShapeInferContext* context, size_t first,
+                                const std::vector<int64_t>& reuse = {});
 
 }  // namespace ortbridge

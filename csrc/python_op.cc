@@ -1,5 +1,6 @@
 // PythonOp: runs Function.apply on the node's tensor inputs and constants. Output 0 is the
 // context id (0 when training_mode=0); outputs 1.. are the Function's outputs.
+#include <algorithm>
 #include <memory>
 
 #include "custom_op.h"
@@ -38,6 +39,7 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
  public:
   static constexpr const char* kName = "PythonOp";
   static constexpr int kMinInputs = 0;
+  static constexpr bool kInplace = true;
   static constexpr int kMinOutputs = 1;
 
   static constexpr auto Parse = ParseForward;
@@ -58,13 +60,20 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
       }
       py::gil_scoped_acquire gil;
       try {
-        py::tuple result = run_(BorrowInputs(inputs));  // (context entry or None, output capsules...)
+        // (context entry or None, output capsules..., [indices of inputs modified in place])
+        py::tuple result = run_(BorrowInputs(inputs));
         const size_t n = layout_.output_tensor_types.size();
-        if (result.size() != n + 1) throw std::logic_error("the runner returned a result of the wrong length");
-        for (size_t i = 0; i < n; ++i) {
-          WriteOutput(api_, context, i + 1, result[i + 1].ptr(), layout_.output_tensor_types[i],
-                      layout_.output_tensor_ranks[i], "output " + std::to_string(i + 1));
+        if (result.size() != n + 1 && result.size() != n + 2) {
+          throw std::logic_error("the runner returned a result of the wrong length");
         }
+        // Output 1 may share input 0's buffer (MayInplace): write it last, after any other output
+        // that still reads from that input.
+        std::vector<void*> written(n);
+        for (size_t i = n; i-- > 0;) {
+          written[i] = WriteOutput(api_, context, i + 1, result[i + 1].ptr(), layout_.output_tensor_types[i],
+                                   layout_.output_tensor_ranks[i], "output " + std::to_string(i + 1));
+        }
+        if (result.size() == n + 2) CheckInPlaceWrites(inputs, written, result[n + 1]);
         int64_t id = PythonContextPool::kNoContext;
         if (layout_.training_mode) id = Contexts().Add(py::reinterpret_borrow<py::object>(result[0]));
         *static_cast<int64_t*>(AllocateOutput(api_, context, 0, {})) = id;
@@ -78,12 +87,30 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
     const OrtApi& api = Api();
     return Guarded(api, "ortbridge PythonOp shape inference: ", [&] {
       SetOutputTypeAndRank(api, context, 0, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, 0);  // the context id
-      InferOutputsFromAttributes(api, context, 1);
+      // tensor_reuse_map[j] = i: output j is input i updated in place; knowing that their sizes
+      // match lets ORT give output 1 the buffer of input 0.
+      InferOutputsFromAttributes(api, context, 1, ShapeInferInts(api, context, "tensor_reuse_map", false));
     });
   }
 
  private:
   friend class PythonKernel<ForwardLayout>;
+
+  // A Function may write into an input's buffer only when ORT gave that buffer to the output it
+  // returns; otherwise other nodes could read the changed value.
+  static void CheckInPlaceWrites(const std::vector<TensorView>& inputs, const std::vector<void*>& written,
+                                 py::handle modified) {
+    for (py::handle index : modified) {
+      const size_t i = index.cast<size_t>();
+      if (std::find(written.begin(), written.end(), inputs.at(i).data) == written.end()) {
+        throw std::runtime_error(
+            "the Function modified input " + std::to_string(i) +
+            " in place, but ONNX Runtime had not given that buffer to its output (it does so only for input 0 -> "
+            "output 1, when no other node reads the value), so other nodes may see the change. Modify a copy "
+            "instead (x = x.clone()).");
+      }
+    }
+  }
 
   // ortbridge._runner.ForwardNode(func_name, args with constants in place, ...). GIL held.
   py::object MakeRunner() const {

@@ -13,6 +13,7 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
  public:
   static constexpr const char* kName = "PythonOpGrad";
   static constexpr int kMinInputs = 1;
+  static constexpr bool kInplace = false;
   static constexpr int kMinOutputs = 0;
 
   static constexpr auto Parse = ParseBackward;

@@ -91,7 +91,7 @@ class ForwardNode:
         finally:
             if grad_was_enabled:
                 _set_grad_enabled(True)
-        return self._export(None, outputs)
+        return self._export(None, outputs, tensors)
 
     def _run_training(self, args: list, tensors: list) -> tuple:
         if self.requires_grad:
@@ -122,16 +122,29 @@ class ForwardNode:
         saved = Saved(ctx,
                       [(o.shape, o.dtype) for o in outputs if isinstance(o, torch.Tensor)],
                       [(t.shape, t.dtype) for t in tensors])
-        return self._export(saved, outputs)
+        return self._export(saved, outputs, tensors)
 
-    def _export(self, saved, outputs) -> tuple:
-        """(saved context or None, one capsule per output): what the kernel expects."""
+    def _export(self, saved, outputs, tensors: list) -> tuple:
+        """(saved context or None, one capsule per output[, indices of inputs modified in place])."""
         if type(outputs) is not tuple:
             outputs = _as_tuple(outputs, f"{self.name}.forward")
         if len(outputs) != self.output_count:
             raise RuntimeError(f"{self.name}.forward returned {len(outputs)} outputs, but the node declares "
                                f"{self.output_count} (output_tensor_types)")
-        return (saved, *[_export_tensor(o, self.forward_output, i) for i, o in enumerate(outputs)])
+        result = (saved, *[_export_tensor(o, self.forward_output, i) for i, o in enumerate(outputs)])
+        modified = [i for i, t in enumerate(tensors) if t._version]
+        if modified:
+            self._check_modified(modified, tensors, outputs)
+            result += (modified,)
+        return result
+
+    def _check_modified(self, modified: list, tensors: list, outputs: tuple) -> None:
+        returned = {o.data_ptr() for o in outputs if isinstance(o, torch.Tensor)}
+        for i in modified:
+            if tensors[i].data_ptr() not in returned:
+                raise RuntimeError(
+                    f"{self.name}.forward modified input {i} in place without returning it; ONNX Runtime may "
+                    "still read that buffer. Modify a copy instead (x = x.clone()).")
 
 
 def _own_borrowed_attributes(ctx, borrowed: set) -> None:

@@ -1,0 +1,99 @@
+"""Functions that write into their input. ORT may give output 1 the buffer of input 0 when the
+node declares it (tensor_reuse_map) and nothing else reads that value: then the output is not
+copied. Anywhere else an in-place write into ORT's buffer is refused with a clear error."""
+
+import numpy as np
+import pytest
+import torch
+from onnx import TensorProto as TP
+from onnx import helper
+from onnxruntime.capi.onnxruntime_pybind11_state import RuntimeException
+
+import ortbridge
+from conftest import T, model, python_op, session, value
+
+
+@ortbridge.register
+class DoubleInPlace(torch.autograd.Function):
+    returns_input = True
+
+    @staticmethod
+    def forward(ctx, x):
+        x.mul_(2)
+        if not DoubleInPlace.returns_input:
+            return x.clone()
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+@pytest.fixture
+def double():
+    yield DoubleInPlace
+    DoubleInPlace.returns_input = True
+
+
+def relu_double_neg(reuse=True):
+    # Relu makes the PythonOp input an intermediate value with no other reader.
+    extra = {"tensor_reuse_map": [-1, 0]} if reuse else {}
+    nodes = [helper.make_node("Relu", ["x"], ["r"]),
+             python_op(DoubleInPlace, [T("r")], [(TP.FLOAT, 1)], out_names=["y"], **extra),
+             helper.make_node("Neg", ["y"], ["z"])]
+    return session(model(nodes, [value("x", shape=[8])], [value("z")]))
+
+
+def test_in_place_output_is_not_copied(double):
+    sess = relu_double_neg()
+    x = np.arange(8, dtype=np.float32)
+    before = ortbridge._C.skipped_output_copies()
+    (z,) = sess.run(None, {"x": x})
+    np.testing.assert_array_equal(z, -2 * x)
+    assert ortbridge._C.skipped_output_copies() == before + 1
+
+
+def test_in_place_write_into_a_buffer_ort_did_not_hand_over_is_refused(double):
+    sess = relu_double_neg(reuse=False)  # no declared reuse: the output has a buffer of its own
+    with pytest.raises(RuntimeException, match="modified input 0 in place, but ONNX Runtime had not given"):
+        sess.run(None, {"x": np.ones(8, np.float32)})
+    # A graph input is never handed over either.
+    node = python_op(DoubleInPlace, [T("x")], [(TP.FLOAT, 1)], out_names=["y"], tensor_reuse_map=[-1, 0])
+    direct = session(model([node], [value("x", shape=[8])], [value("y")]))
+    with pytest.raises(RuntimeException, match="modified input 0 in place"):
+        direct.run(None, {"x": np.ones(8, np.float32)})
+    (z,) = relu_double_neg().run(None, {"x": np.ones(8, np.float32)})  # and the good case still runs
+    np.testing.assert_array_equal(z, np.full(8, -2, np.float32))
+
+
+def test_in_place_write_without_returning_the_input_is_refused(double):
+    double.returns_input = False
+    with pytest.raises(RuntimeException, match="modified input 0 in place without returning it"):
+        relu_double_neg().run(None, {"x": np.ones(8, np.float32)})
+
+
+@ortbridge.register
+class FreshAndView(torch.autograd.Function):
+    """Output 1 is new, output 2 views input 0: when output 1 takes input 0's buffer, output 2
+    must be copied out first."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 10, x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, a, b):
+        return a * 10 + b
+
+
+def test_outputs_are_written_so_that_a_reused_buffer_is_read_first():
+    nodes = [helper.make_node("Relu", ["x"], ["r"]),
+             python_op(FreshAndView, [T("r")], [(TP.FLOAT, 1)] * 2, out_names=["a", "b"],
+                       tensor_reuse_map=[-1, 0, -1]),
+             helper.make_node("Neg", ["a"], ["na"]), helper.make_node("Neg", ["b"], ["nb"])]
+    sess = session(model(nodes, [value("x", shape=[4])], [value("na"), value("nb")]))
+    x = np.arange(4, dtype=np.float32)
+    na, nb = sess.run(None, {"x": x})
+    np.testing.assert_array_equal(na, -10 * x)
+    np.testing.assert_array_equal(nb, -x)
