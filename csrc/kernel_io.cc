@@ -1,6 +1,7 @@
 #include "kernel_io.h"
 
 #include <atomic>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -10,6 +11,12 @@ namespace ortbridge {
 namespace {
 
 std::atomic<uint64_t> g_skipped_copies{0};
+
+std::string ShapeText(const std::vector<int64_t>& shape) {
+  std::string s = "(";
+  for (size_t i = 0; i < shape.size(); ++i) s += std::to_string(shape[i]) + (shape.size() == 1 || i + 1 < shape.size() ? "," : "");
+  return s + ")";
+}
 
 void CheckElementType(const std::string& what, int64_t got, int64_t expected) {
   if (got != expected) {
@@ -44,8 +51,8 @@ py::tuple BorrowInputs(const std::vector<TensorView>& inputs) {
   return capsules;
 }
 
-void* WriteOutput(const OrtApi& api, OrtKernelContext* context, size_t index, PyObject* capsule, int64_t type,
-                 int64_t rank, const std::string& what) {
+TensorView WriteOutput(const OrtApi& api, OrtKernelContext* context, size_t index, PyObject* capsule, int64_t type,
+                       int64_t rank, const std::string& what, const std::vector<int64_t>* shape) {
   ImportedTensor t(capsule);
   const dl::Tensor& d = t.tensor();
   if (d.device.device_type != dl::kCPU) {
@@ -57,13 +64,28 @@ void* WriteOutput(const OrtApi& api, OrtKernelContext* context, size_t index, Py
     throw std::runtime_error(what + " has rank " + std::to_string(d.ndim) + ", but the node declares rank " +
                              std::to_string(rank));
   }
-  void* dst = AllocateOutput(api, context, index, t.shape());
-  if (dst != t.data()) {
-    t.CopyTo(dst);
+  TensorView out;
+  out.elem_type = type;
+  out.shape = t.shape();
+  if (shape && out.shape != *shape) {
+    throw std::runtime_error(what + " has shape " + ShapeText(out.shape) + ", but the forward input had shape " +
+                             ShapeText(*shape));
+  }
+  out.data = AllocateOutput(api, context, index, out.shape);
+  if (out.data != t.data()) {
+    t.CopyTo(out.data);
   } else {
     g_skipped_copies.fetch_add(1, std::memory_order_relaxed);  // the Function wrote into ORT's buffer
   }
-  return dst;
+  return out;
+}
+
+void WriteZeros(const OrtApi& api, OrtKernelContext* context, size_t index, const TensorMeta& meta) {
+  dl::DataType dtype;
+  ToDLDataType(meta.elem_type, &dtype);
+  size_t bytes = dtype.bits / 8;
+  for (int64_t d : meta.shape) bytes *= static_cast<size_t>(d);
+  std::memset(AllocateOutput(api, context, index, meta.shape), 0, bytes);
 }
 
 uint64_t SkippedOutputCopies() { return g_skipped_copies.load(); }

@@ -70,11 +70,15 @@ void SetOutputTypeAndRank(const OrtApi& api, OrtShapeInferContext* ctx, size_t i
 
 std::string NodeName(const OrtApi& api, const OrtKernelInfo* info);
 
-// A tensor input of the kernel as raw memory.
-struct TensorView {
-  void* data = nullptr;
+// A tensor's element type (0: no tensor) and shape.
+struct TensorMeta {
   int64_t elem_type = 0;
   std::vector<int64_t> shape;
+};
+
+// A tensor input or output of the kernel as raw memory.
+struct TensorView : TensorMeta {
+  void* data = nullptr;
 };
 // Returns false when the (optional) input is absent.
 bool GetInputTensor(const OrtApi& api, OrtKernelContext* ctx, size_t index, TensorView* out);

@@ -6,13 +6,22 @@
 
 #include <string>
 
+#include "ort_util.h"
 #include "pool.h"
 
 namespace ortbridge {
 
 namespace py = pybind11;
 
-using PythonContextPool = ContextPool<py::object>;
+// What a training-mode forward keeps for its backward: the autograd context (None when no output
+// needed a gradient) and the types and shapes of that call's tensor inputs and outputs.
+struct SavedContext {
+  py::object ctx;
+  std::vector<TensorMeta> inputs;
+  std::vector<TensorMeta> outputs;
+};
+
+using PythonContextPool = ContextPool<SavedContext>;
 PythonContextPool& Contexts();
 
 // Throws std::runtime_error when no interpreter can run kernels (none, or it is exiting).

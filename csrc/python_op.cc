@@ -60,7 +60,7 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
       }
       py::gil_scoped_acquire gil;
       try {
-        // (context entry or None, output capsules..., [indices of inputs modified in place])
+        // (autograd context or None, output capsules..., [indices of inputs modified in place])
         py::tuple result = run_(BorrowInputs(inputs));
         const size_t n = layout_.output_tensor_types.size();
         if (result.size() != n + 1 && result.size() != n + 2) {
@@ -68,14 +68,17 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
         }
         // Output 1 may share input 0's buffer (MayInplace): write it last, after any other output
         // that still reads from that input.
-        std::vector<void*> written(n);
+        std::vector<TensorView> outputs(n);
         for (size_t i = n; i-- > 0;) {
-          written[i] = WriteOutput(api_, context, i + 1, result[i + 1].ptr(), layout_.output_tensor_types[i],
+          outputs[i] = WriteOutput(api_, context, i + 1, result[i + 1].ptr(), layout_.output_tensor_types[i],
                                    layout_.output_tensor_ranks[i], "output " + std::to_string(i + 1));
         }
-        if (result.size() == n + 2) CheckInPlaceWrites(inputs, written, result[n + 1]);
+        if (result.size() == n + 2) CheckInPlaceWrites(inputs, outputs, result[n + 1]);
         int64_t id = PythonContextPool::kNoContext;
-        if (layout_.training_mode) id = Contexts().Add(py::reinterpret_borrow<py::object>(result[0]));
+        if (layout_.training_mode) {
+          id = Contexts().Add({py::reinterpret_borrow<py::object>(result[0]), {inputs.begin(), inputs.end()},
+                               {outputs.begin(), outputs.end()}});
+        }
         *static_cast<int64_t*>(AllocateOutput(api_, context, 0, {})) = id;
       } catch (py::error_already_set& e) {
         throw std::runtime_error(FormatPythonError(e));
@@ -98,11 +101,12 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
 
   // A Function may write into an input's buffer only when ORT gave that buffer to the output it
   // returns; otherwise other nodes could read the changed value.
-  static void CheckInPlaceWrites(const std::vector<TensorView>& inputs, const std::vector<void*>& written,
+  static void CheckInPlaceWrites(const std::vector<TensorView>& inputs, const std::vector<TensorView>& outputs,
                                  py::handle modified) {
     for (py::handle index : modified) {
+      const void* buffer = inputs.at(index.cast<size_t>()).data;
       const size_t i = index.cast<size_t>();
-      if (std::find(written.begin(), written.end(), inputs.at(i).data) == written.end()) {
+      if (std::none_of(outputs.begin(), outputs.end(), [&](const TensorView& o) { return o.data == buffer; })) {
         throw std::runtime_error(
             "the Function modified input " + std::to_string(i) +
             " in place, but ONNX Runtime had not given that buffer to its output (it does so only for input 0 -> "

@@ -1,6 +1,7 @@
 // PythonOpGrad: looks up the context that PythonOp stored under input 0 and runs
 // Function.backward(ctx, *grads). Outputs are the gradients of the forward tensor inputs, in
 // order; a context serves one backward and is released whether it succeeds or fails.
+#include <algorithm>
 #include <memory>
 
 #include "custom_op.h"
@@ -35,21 +36,35 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
         grads[slot] = ReadInput(api_, context, k + 1, layout_.input_tensor_types[slot]);
       }
       py::gil_scoped_acquire gil;
-      std::optional<py::object> saved = Contexts().Take(id);
+      std::optional<SavedContext> saved = Contexts().Take(id);
       if (!saved) {
         throw std::runtime_error("context id " + std::to_string(id) +
                                  " is not live: its backward already ran, it was released, or its PythonOp ran "
                                  "with training_mode=0");
       }
+      if (saved->outputs.size() != layout_.input_tensor_types.size() ||
+          saved->inputs.size() != layout_.output_tensor_types.size()) {
+        throw std::runtime_error("the node takes gradients for " + std::to_string(layout_.input_tensor_types.size()) +
+                                 " outputs and gives " + std::to_string(layout_.output_tensor_types.size()) +
+                                 ", but the forward of context " + std::to_string(id) + " had " +
+                                 std::to_string(saved->outputs.size()) + " outputs and " +
+                                 std::to_string(saved->inputs.size()) + " tensor inputs");
+      }
       try {
-        py::tuple result = run_(*saved, BorrowInputs(grads));  // one capsule or None per output
-        *saved = py::object();  // release the context (and what it saved) before copying
+        // One capsule or None per gradient output; None where no gradient is wanted or the
+        // Function gave none (written as zeros).
+        py::tuple result = run_(saved->ctx, BorrowInputs(grads), AbsentGradientShapes(*saved));
+        saved->ctx = py::object();  // release the context (and what it saved) before copying
         const size_t n = layout_.output_tensor_types.size();
         if (result.size() != n) throw std::logic_error("the runner returned a result of the wrong length");
         for (size_t i = 0; i < n; ++i) {
-          if (result[i].is_none()) continue;  // no gradient wanted for this input
-          WriteOutput(api_, context, i, result[i].ptr(), layout_.output_tensor_types[i],
-                      layout_.output_tensor_ranks[i], "gradient output " + std::to_string(i));
+          if (!layout_.output_requires_grad[i]) continue;
+          if (result[i].is_none()) {
+            WriteZeros(api_, context, i, saved->inputs[i]);
+          } else {
+            WriteOutput(api_, context, i, result[i].ptr(), layout_.output_tensor_types[i],
+                        layout_.output_tensor_ranks[i], "gradient output " + std::to_string(i), &saved->inputs[i].shape);
+          }
         }
       } catch (py::error_already_set& e) {
         throw std::runtime_error(FormatPythonError(e));
@@ -66,6 +81,23 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
 
  private:
   friend class PythonKernel<BackwardLayout>;
+
+  // (shape, ONNX type) of each forward output whose gradient is absent, for Functions that
+  // materialize it as zeros; None when every gradient is present.
+  py::object AbsentGradientShapes(const SavedContext& saved) const {
+    if (layout_.grad_input_slots.size() == layout_.input_tensor_types.size()) return py::none();
+    py::dict shapes;
+    for (size_t slot = 0; slot < saved.outputs.size(); ++slot) {
+      if (std::find(layout_.grad_input_slots.begin(), layout_.grad_input_slots.end(), slot) ==
+          layout_.grad_input_slots.end()) {
+        const TensorMeta& meta = saved.outputs[slot];
+        py::tuple shape(meta.shape.size());
+        for (size_t d = 0; d < meta.shape.size(); ++d) shape[d] = py::int_(meta.shape[d]);
+        shapes[py::int_(slot)] = py::make_tuple(shape, meta.elem_type);
+      }
+    }
+    return std::move(shapes);
+  }
 
   int64_t ContextId(OrtKernelContext* context) const {
     TensorView t;

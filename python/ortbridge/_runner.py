@@ -12,16 +12,31 @@ import traceback
 
 import torch
 
-from . import registry
+from . import _dtypes, registry
 
-_from_dlpack = torch.utils.dlpack.from_dlpack
+_from_dlpack = getattr(torch._C, "_from_dlpack", torch.utils.dlpack.from_dlpack)
 _to_dlpack = torch.utils.dlpack.to_dlpack
 _is_grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 _push_saved_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_saved_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 
+_functorch_active = torch._C._are_functorch_transforms_active
+
 pinned_object = registry.pinned_object
+
+
+def _direct_apply(func: type):
+    """`func.apply` without torch's Python wrapper, where that wrapper would only pass the
+    arguments on: apply is not overridden and there is no setup_context (whose default arguments
+    the wrapper binds). Saves about 2 us a call; None where it does not apply."""
+    base_apply = torch._C._FunctionBase.__dict__.get("apply")
+    is_setup_context_defined = getattr(torch.autograd.function, "_is_setup_context_defined", None)
+    if (base_apply is None or is_setup_context_defined is None
+            or getattr(func.apply, "__func__", None) is not torch.autograd.Function.apply.__func__
+            or is_setup_context_defined(func.setup_context)):
+        return None
+    return base_apply.__get__(None, func)
 
 
 def format_exception(exc: BaseException) -> str:
@@ -50,24 +65,11 @@ def _unpack_saved(t):
     return t
 
 
-class Saved:
-    """What a training-mode forward keeps for its backward: the autograd context (None when
-    no output needs a gradient) and the shapes and dtypes of the outputs and tensor inputs,
-    from this very call."""
-
-    __slots__ = ("ctx", "outputs", "inputs")
-
-    def __init__(self, ctx, outputs, inputs):
-        self.ctx = ctx
-        self.outputs = outputs
-        self.inputs = inputs
-
-
 class ForwardNode:
     def __init__(self, func_name: str, args: list, tensor_positions: list, requires_grad: list,
                  training: bool, output_count: int):
         self.func = registry.lookup(func_name)
-        self.apply = self.func.apply
+        self.direct_apply = _direct_apply(self.func)  # checked per call: functorch needs the wrapper
         self.name = registry.qualified_name(self.func)
         self.forward_output = f"{self.name}.forward output"
         self.args = args
@@ -78,22 +80,30 @@ class ForwardNode:
 
     def run(self, capsules: tuple) -> tuple:
         args = self.args.copy()
-        tensors = [_from_dlpack(c) for c in capsules]
+        tensors = list(map(_from_dlpack, capsules))
         for position, tensor in zip(self.tensor_positions, tensors):
             args[position] = tensor
-        if self.training:
-            return self._run_training(args, tensors)
+        training = self.training
+        if training:
+            borrowed = self._prepare_training(tensors)
         grad_was_enabled = _is_grad_enabled()
-        if grad_was_enabled:
-            _set_grad_enabled(False)
+        if grad_was_enabled != training:
+            _set_grad_enabled(training)
         try:
-            outputs = self.apply(*args)
+            outputs = (self.direct_apply(*args) if self.direct_apply and not _functorch_active()
+                       else self.func.apply(*args))
         finally:
-            if grad_was_enabled:
-                _set_grad_enabled(True)
-        return self._export(None, outputs, tensors)
+            if grad_was_enabled != training:
+                _set_grad_enabled(grad_was_enabled)
+            if training:
+                _pop_saved_hooks()
+        if type(outputs) is not tuple:
+            outputs = _as_tuple(outputs, f"{self.name}.forward")
+        return self._export(self._context(outputs, borrowed) if training else None, outputs, tensors)
 
-    def _run_training(self, args: list, tensors: list) -> tuple:
+    def _prepare_training(self, tensors: list) -> set:
+        """Flags the inputs that need gradients and installs the saved-tensor hooks; returns the
+        addresses of ORT's input buffers."""
         if self.requires_grad:
             for tensor, flag in zip(tensors, self.requires_grad):
                 if flag:
@@ -106,37 +116,36 @@ class ForwardNode:
         def pack(t):
             return t.clone() if t.untyped_storage().data_ptr() in borrowed else t.detach()
 
-        grad_was_enabled = _is_grad_enabled()
-        _set_grad_enabled(True)
         _push_saved_hooks(pack, _unpack_saved)
-        try:
-            outputs = self.apply(*args)
-        finally:
-            _pop_saved_hooks()
-            _set_grad_enabled(grad_was_enabled)
-        if type(outputs) is not tuple:
-            outputs = _as_tuple(outputs, f"{self.name}.forward")
-        ctx = next((o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None), None)
-        if ctx is not None:
-            _own_borrowed_attributes(ctx, borrowed)
-        saved = Saved(ctx,
-                      [(o.shape, o.dtype) for o in outputs if isinstance(o, torch.Tensor)],
-                      [(t.shape, t.dtype) for t in tensors])
-        return self._export(saved, outputs, tensors)
+        return borrowed
 
-    def _export(self, saved, outputs, tensors: list) -> tuple:
-        """(saved context or None, one capsule per output[, indices of inputs modified in place])."""
-        if type(outputs) is not tuple:
-            outputs = _as_tuple(outputs, f"{self.name}.forward")
+    @staticmethod
+    def _context(outputs: tuple, borrowed: set):
+        """The autograd node of the call, which is its context; None when no output needs a
+        gradient."""
+        for o in outputs:
+            ctx = getattr(o, "grad_fn", None)
+            if ctx is not None:
+                if vars(ctx):
+                    _own_borrowed_attributes(ctx, borrowed)
+                return ctx
+        return None
+
+    def _export(self, ctx, outputs, tensors: list) -> tuple:
+        """(autograd context or None, one capsule per output[, indices of inputs modified in place])."""
         if len(outputs) != self.output_count:
             raise RuntimeError(f"{self.name}.forward returned {len(outputs)} outputs, but the node declares "
                                f"{self.output_count} (output_tensor_types)")
-        result = (saved, *[_export_tensor(o, self.forward_output, i) for i, o in enumerate(outputs)])
-        modified = [i for i, t in enumerate(tensors) if t._version]
-        if modified:
-            self._check_modified(modified, tensors, outputs)
-            result += (modified,)
-        return result
+        result = [ctx]
+        for i, o in enumerate(outputs):
+            result.append(_export_tensor(o, self.forward_output, i))
+        for t in tensors:
+            if t._version:  # a Function wrote into one of ORT's buffers: rare, checked in full
+                modified = [i for i, t in enumerate(tensors) if t._version]
+                self._check_modified(modified, tensors, outputs)
+                result.append(modified)
+                break
+        return tuple(result)
 
     def _check_modified(self, modified: list, tensors: list, outputs: tuple) -> None:
         returned = {o.data_ptr() for o in outputs if isinstance(o, torch.Tensor)}
@@ -161,45 +170,35 @@ class BackwardNode:
         self.name = registry.qualified_name(self.func)
         self.backward_value = f"{self.name}.backward value"
         self.argument_count = argument_count
-        self.outputs = list(zip(output_positions, requires_grad))
+        self.outputs = [position if wanted else None for position, wanted in zip(output_positions, requires_grad)]
+        self.no_gradients = (None,) * len(self.outputs)
 
-    def run(self, saved: Saved, capsules: tuple) -> tuple:
-        results = None
-        if saved.ctx is not None:  # else no output of the forward needed a gradient
-            results = self._call_backward(saved, [None if c is None else _from_dlpack(c) for c in capsules])
-        gradients = []
-        for k, (position, wanted) in enumerate(self.outputs):
-            if not wanted:
-                gradients.append(None)
-                continue
-            shape, dtype = saved.inputs[k]
-            g = None if results is None else results[position]
-            if g is None:
-                g = torch.zeros(shape, dtype=dtype)
-            elif isinstance(g, torch.Tensor) and g.shape != shape:
-                raise RuntimeError(f"{self.name}.backward value {position} has shape {tuple(g.shape)}, but "
-                                   f"the forward input had shape {tuple(shape)}")
-            gradients.append(_export_tensor(g, self.backward_value, position))
-        return tuple(gradients)
-
-    def _call_backward(self, saved: Saved, grads: list) -> tuple:
-        if len(grads) != len(saved.outputs):
-            raise RuntimeError(f"the node passes {len(grads)} gradients, but {self.name}.forward returned "
-                               f"{len(saved.outputs)} outputs")
-        ctx = saved.ctx
-        if getattr(ctx, "_ortbridge_materialize_grads", True):
-            for i, g in enumerate(grads):
-                if g is None:
-                    shape, dtype = saved.outputs[i]
-                    grads[i] = torch.zeros(shape, dtype=dtype)
+    def run(self, ctx, capsules: tuple, absent: dict | None) -> tuple:
+        """One capsule per wanted gradient output, None elsewhere (the kernel writes zeros where a
+        gradient is wanted). `absent` maps forward outputs without a gradient input to their
+        (shape, ONNX type)."""
+        if ctx is None:  # no output of the forward needed a gradient: backward never runs
+            return self.no_gradients
+        grads = [None if c is None else _from_dlpack(c) for c in capsules]
+        if absent and getattr(ctx, "_ortbridge_materialize_grads", True):
+            for slot, (shape, onnx_type) in absent.items():
+                grads[slot] = torch.zeros(shape, dtype=_dtypes.FROM_ONNX[onnx_type])
         grad_was_enabled = _is_grad_enabled()
-        _set_grad_enabled(False)
+        if grad_was_enabled:
+            _set_grad_enabled(False)
         try:
-            results = _as_tuple(self.backward(ctx, *grads), f"{self.name}.backward")
+            results = self.backward(ctx, *grads)
         finally:
-            _set_grad_enabled(grad_was_enabled)
+            if grad_was_enabled:
+                _set_grad_enabled(True)
+        if type(results) is not tuple:
+            results = _as_tuple(results, f"{self.name}.backward")
         if len(results) != self.argument_count:
             raise RuntimeError(f"{self.name}.backward returned {len(results)} values, but forward takes "
                                f"{self.argument_count} arguments: return one gradient (or None) per "
                                "forward argument")
-        return results
+        gradients = []
+        for position in self.outputs:
+            g = None if position is None else results[position]
+            gradients.append(None if g is None else _export_tensor(g, self.backward_value, position))
+        return tuple(gradients)

@@ -85,7 +85,7 @@ FORWARD_ERRORS = {
 BACKWARD_ERRORS = {
     "bw_raise": r"KeyError: 'backward exploded'",
     "bw_count": r"backward returned 2 values, but forward takes 1 arguments",
-    "bw_shape": r"backward value 0 has shape \(1,\), but the forward input had shape \(3,\)",
+    "bw_shape": r"gradient output 0 has shape \(1,\), but the forward input had shape \(3,\)",
     "bw_dtype": r"gradient output 0 is float64, but the node declares float32",
     "bw_type": r"backward value 0 is float; expected a torch.Tensor",
 }

@@ -169,3 +169,30 @@ def test_context_crosses_sessions_until_released():
     assert ortbridge.context_pool_size() == 1
     assert ortbridge.release_context(int(ctx1)) is True
     assert ortbridge.release_context(int(ctx1)) is False
+
+
+@ortbridge.register
+class NewStyle(torch.autograd.Function):
+    """forward without ctx plus setup_context, with a default argument (torch's apply wrapper
+    binds it, so ortbridge must go through that wrapper)."""
+
+    @staticmethod
+    def forward(x, scale=3.0):
+        return x * scale
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.scale = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
+
+
+def test_setup_context_style_function():
+    fw = python_op(NewStyle, [T("x", requires_grad=True)], [(TP.FLOAT, 1)], out_names=["y"], training=True)
+    bw = python_op_grad(NewStyle, "d", [("g", TP.FLOAT, 1)], [("gx", TP.FLOAT, 1)])
+    sess = session(model([fw, bw], [value("x", shape=[3]), value("g", shape=[3])], [value("y"), value("gx")]))
+    y, gx = sess.run(None, {"x": np.arange(3, dtype=np.float32), "g": np.ones(3, np.float32)})
+    np.testing.assert_array_equal(y, np.arange(3, dtype=np.float32) * 3)
+    np.testing.assert_array_equal(gx, np.full(3, 3, np.float32))
