@@ -193,7 +193,10 @@ class BackwardNode:
                 _set_grad_enabled(True)
         if type(results) is not tuple:
             results = _as_tuple(results, f"{self.name}.backward")
-        if len(results) != self.argument_count:
+        # Values past the node's arguments belong to defaulted forward arguments that torch's apply
+        # bound (setup_context style); they carry no gradient.
+        if len(results) != self.argument_count and (
+                len(results) < self.argument_count or any(r is not None for r in results[self.argument_count:])):
             raise RuntimeError(f"{self.name}.backward returned {len(results)} values, but forward takes "
                                f"{self.argument_count} arguments: return one gradient (or None) per "
                                "forward argument")
