@@ -172,6 +172,9 @@ class BackwardNode:
         self.argument_count = argument_count
         self.outputs = [position if wanted else None for position, wanted in zip(output_positions, requires_grad)]
         self.no_gradients = (None,) * len(self.outputs)
+        # With setup_context, torch's apply binds defaulted forward arguments, and backward returns
+        # a (None) value for each of them too.
+        self.binds_defaults = _direct_apply(self.func) is None
 
     def run(self, ctx, capsules: tuple, absent: dict | None) -> tuple:
         """One capsule per wanted gradient output, None elsewhere (the kernel writes zeros where a
@@ -193,10 +196,9 @@ class BackwardNode:
                 _set_grad_enabled(True)
         if type(results) is not tuple:
             results = _as_tuple(results, f"{self.name}.backward")
-        # Values past the node's arguments belong to defaulted forward arguments that torch's apply
-        # bound (setup_context style); they carry no gradient.
-        if len(results) != self.argument_count and (
-                len(results) < self.argument_count or any(r is not None for r in results[self.argument_count:])):
+        if len(results) != self.argument_count and not (
+                len(results) > self.argument_count and self.binds_defaults
+                and all(r is None for r in results[self.argument_count:])):
             raise RuntimeError(f"{self.name}.backward returned {len(results)} values, but forward takes "
                                f"{self.argument_count} arguments: return one gradient (or None) per "
                                "forward argument")
