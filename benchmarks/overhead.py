@@ -36,82 +36,43 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
-import platform
-import statistics
 import sys
-import time
 
 import numpy as np
-import onnx
-import onnxruntime as ort
 import torch
-from onnx import TensorProto, helper
 
 import ortbridge
+from common import Clone, medians, python_op, python_op_grad, session, versions
 
 NUMEL = 16
 KS = (1, 16, 64)
-FUNC_NAME = "ortbridge_bench.Identity"
 
 
-@ortbridge.register(name=FUNC_NAME)
-class Identity(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g
-
-
-def build_model(k: int, training: bool) -> bytes:
-    nodes = []
-    prev = "x"
+def build_session(k: int, training: bool):
+    nodes, prev = [], "x"
     for i in range(k):
         out = "y" if i == k - 1 else f"y{i}"
-        nodes.append(helper.make_node(
-            "PythonOp", [prev], [f"ctx{i}", out], domain="ortbridge", name=f"fw{i}",
-            func_name=FUNC_NAME, input_convention="d", input_tensor_types=[TensorProto.FLOAT],
-            input_tensor_ranks=[1], input_requires_grads=[1 if training else 0],
-            output_tensor_types=[TensorProto.FLOAT], output_tensor_ranks=[1],
-            training_mode=int(training)))
+        nodes.append(python_op(Clone, prev, out, f"ctx{i}", f"fw{i}", training))
         prev = out
-    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [NUMEL])]
-    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    inputs, outputs = [("x", [NUMEL])], [("y", None)]
     if training:
-        inputs.append(helper.make_tensor_value_info("g", TensorProto.FLOAT, [NUMEL]))
         grad = "g"
         for i in reversed(range(k)):
             out = "gx" if i == 0 else f"g{i}"
-            nodes.append(helper.make_node(
-                "PythonOpGrad", [f"ctx{i}", grad], [out], domain="ortbridge", name=f"bw{i}",
-                func_name=FUNC_NAME, output_convention="d", input_tensor_types=[TensorProto.FLOAT],
-                input_tensor_ranks=[1], output_tensor_types=[TensorProto.FLOAT], output_tensor_ranks=[1],
-                output_tensor_requires_grads=[1]))
+            nodes.append(python_op_grad(Clone, f"ctx{i}", grad, out, f"bw{i}"))
             grad = out
-        outputs.append(helper.make_tensor_value_info("gx", TensorProto.FLOAT, None))
-    graph = helper.make_graph(nodes, f"chain{k}", inputs, outputs)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ortbridge", 1)])
-    return model.SerializeToString()
-
-
-def make_session(model: bytes) -> ort.InferenceSession:
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
-    so.inter_op_num_threads = 1
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    return ortbridge.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+        inputs.append(("g", [NUMEL]))
+        outputs.append(("gx", None))
+    return session(nodes, inputs, outputs)
 
 
 def make_calls(mode: str, k: int):
     """(ort_call, eager_call, check) for one configuration."""
     training = mode == "training"
-    sess = make_session(build_model(k, training))
+    sess = build_session(k, training)
     x_np = np.arange(NUMEL, dtype=np.float32)
     g_np = np.linspace(-1, 1, NUMEL, dtype=np.float32)
-    apply = Identity.apply
+    apply = Clone.apply
 
     if training:
         feeds = {"x": x_np, "g": g_np}
@@ -163,42 +124,6 @@ def make_calls(mode: str, k: int):
     return ort_call, eager_call, check
 
 
-def loop_time(fn, n: int) -> float:
-    """Seconds per call over n back-to-back calls."""
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t0) / n
-
-
-def calibrate(fn, target: float) -> int:
-    """Iterations so that one repeat takes about `target` seconds."""
-    n, elapsed = 1, 0.0
-    while True:
-        elapsed = loop_time(fn, n) * n
-        if elapsed >= min(0.05, target / 4):
-            break
-        n *= 2
-    return max(1, int(round(target * n / elapsed)))
-
-
-def measure(ort_call, eager_call, repeats: int, target: float, warmup: int) -> tuple[float, float]:
-    for _ in range(warmup):
-        ort_call()
-        eager_call()
-    n_ort, n_eager = calibrate(ort_call, target), calibrate(eager_call, target)
-    t_ort, t_eager = [], []
-    gc.collect()
-    gc.disable()
-    try:
-        for _ in range(repeats):
-            t_ort.append(loop_time(ort_call, n_ort))
-            t_eager.append(loop_time(eager_call, n_eager))
-    finally:
-        gc.enable()
-    return statistics.median(t_ort), statistics.median(t_eager)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=7, help="timed repeats per measurement (median reported)")
@@ -214,9 +139,8 @@ def main(argv=None) -> int:
         if m not in ("inference", "training"):
             p.error(f"unknown mode {m!r}")
 
-    print(f"python {platform.python_version()}  torch {torch.__version__}  onnxruntime {ort.__version__}  "
-          f"onnx {onnx.__version__}  numpy {np.__version__}")
-    print(f"cpus {os.cpu_count()}  torch threads {torch.get_num_threads()}  ORT intra/inter threads 1/1  "
+    print(versions())
+    print(f"torch threads {torch.get_num_threads()}  ORT intra/inter threads 1/1  "
           f"tensor {NUMEL} x float32  repeats {repeats}  ~{target:g} s/repeat  (times: median, microseconds)")
     print()
     print(f"{'mode':<10} {'K':>3} {'ORT us/call':>12} {'eager us/call':>14} {'ratio':>7}")
@@ -225,7 +149,7 @@ def main(argv=None) -> int:
         for k in KS:
             ort_call, eager_call, check = make_calls(mode, k)
             check()
-            t_ort, t_eager = measure(ort_call, eager_call, repeats, target, warmup)
+            t_ort, t_eager = medians([ort_call, eager_call], repeats, target, warmup)
             results[(mode, k)] = (t_ort, t_eager)
             print(f"{mode:<10} {k:>3} {t_ort * 1e6:>12.1f} {t_eager * 1e6:>14.1f} {t_ort / t_eager:>7.2f}", flush=True)
             del ort_call, eager_call, check

@@ -42,90 +42,27 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
-import platform
 import resource
-import statistics
 import sys
-import time
 
 import numpy as np
-import onnx
-import onnxruntime as ort
 import torch
-from onnx import TensorProto, helper
 
-import ortbridge
+from common import Clone, View, medians, python_op, session, versions
 
 SIZES = [4 ** k for k in range(6, 15)]  # bytes: 4 KiB .. 256 MiB
-CLONE_NAME = "ortbridge_bench.CloneFn"
-VIEW_NAME = "ortbridge_bench.ViewFn"
 
 
-@ortbridge.register(name=CLONE_NAME)
-class CloneFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g
+def make_session(func: type, threads: int):
+    return session([python_op(func, "x", "y", "ctx", "op")], [("x", [None])], [("y", [None])], threads)
 
 
-@ortbridge.register(name=VIEW_NAME)
-class ViewFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g
-
-
-def build_model(func_name: str) -> bytes:
-    node = helper.make_node(
-        "PythonOp", ["x"], ["ctx", "y"], domain="ortbridge", name="op", func_name=func_name,
-        input_convention="d", input_tensor_types=[TensorProto.FLOAT], input_tensor_ranks=[1],
-        output_tensor_types=[TensorProto.FLOAT], output_tensor_ranks=[1], training_mode=0)
-    graph = helper.make_graph([node], "one_op", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ortbridge", 1)])
-    return model.SerializeToString()
-
-
-def make_session(func_name: str, threads: int) -> ort.InferenceSession:
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.inter_op_num_threads = 1
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    return ortbridge.InferenceSession(build_model(func_name), so, providers=["CPUExecutionProvider"])
-
-
-def bound_call(sess: ort.InferenceSession, x: torch.Tensor):
+def bound_call(sess, x: torch.Tensor):
     io = sess.io_binding()
     io.bind_input("x", "cpu", 0, np.float32, list(x.shape), x.data_ptr())
     io.bind_output("y", "cpu")
     run = sess.run_with_iobinding
     return io, (lambda: run(io))
-
-
-def loop_time(fn, n: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t0) / n
-
-
-def calibrate(fn, target: float) -> int:
-    n = 1
-    while True:
-        elapsed = loop_time(fn, n) * n
-        if elapsed >= min(0.03, target / 4):
-            break
-        n *= 2
-    return max(1, int(round(target * n / elapsed)))
 
 
 def fmt_size(nbytes: int) -> str:
@@ -155,12 +92,11 @@ def main(argv=None) -> int:
     sizes = [s for s in SIZES if s <= max_bytes]
 
     torch.set_num_threads(args.threads)
-    sess_clone = make_session(CLONE_NAME, args.threads)
-    sess_view = make_session(VIEW_NAME, args.threads)
+    sess_clone = make_session(Clone, args.threads)
+    sess_view = make_session(View, args.threads)
 
-    print(f"python {platform.python_version()}  torch {torch.__version__}  onnxruntime {ort.__version__}  "
-          f"onnx {onnx.__version__}  numpy {np.__version__}")
-    print(f"cpus {os.cpu_count()}  torch/ORT intra-op threads {args.threads}  repeats {repeats} "
+    print(versions())
+    print(f"torch/ORT intra-op threads {args.threads}  repeats {repeats} "
           f"({large_repeats} from 64M)  ~{target:g} s/repeat  feed: IOBinding (input bound to a torch pointer, "
           f"output ORT-allocated on cpu)")
     print("times: median microseconds per call; ratio = ORT / torch.clone")
@@ -190,27 +126,14 @@ def main(argv=None) -> int:
             assert np.array_equal(y.numpy(), x.numpy()), "ORT output differs from the input"
             del y
 
-        fns = (ort_clone, ort_view, torch_clone, copy_)
+        fns = [ort_clone, ort_view, torch_clone, copy_]
         large = nbytes >= (64 << 20)
-        reps = large_repeats if large else repeats
-        for fn in fns:  # warm up: arena growth, page mapping, allocator caches
-            for _ in range(2 if large else 10):
-                fn()
-        ns = [calibrate(fn, target) for fn in fns]
-        times: list[list[float]] = [[] for _ in fns]
-        gc.collect()
-        gc.disable()
-        try:
-            for _ in range(reps):
-                for fn, n, acc in zip(fns, ns, times):
-                    acc.append(loop_time(fn, n))
-        finally:
-            gc.enable()
-        t_clone, t_view, t_tc, t_copy = (statistics.median(t) for t in times)
+        # warm-up covers arena growth, page mapping and allocator caches
+        t_clone, t_view, t_tc, t_copy = medians(fns, large_repeats if large else repeats, target, 2 if large else 10)
         print(f"{fmt_size(nbytes):>5} {t_clone * 1e6:>11.1f} {t_view * 1e6:>11.1f} {t_tc * 1e6:>12.1f} "
               f"{t_copy * 1e6:>11.1f} {t_clone / t_tc:>9.2f} {t_view / t_tc:>8.2f} {nbytes / t_view / 1e9:>10.2f}",
               flush=True)
-        del io_c, io_v, ort_clone, ort_view, fns, x, out
+        del io_c, io_v, ort_clone, ort_view, fns
         gc.collect()
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux

@@ -10,6 +10,9 @@ need=()
 for pkg in cmake g++ libgtest-dev; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
+# Python's C headers, when the interpreter in use does not ship them (Debian's own python3).
+$PYTHON -c 'import os, sysconfig; exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' ||
+  need+=(python3-dev)
 if [ ${#need[@]} -gt 0 ]; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}"

@@ -1,0 +1,117 @@
+"""What the benchmarks share: the Functions they run, session set-up, and the timer
+(median over repeats of N back-to-back calls, N calibrated per function)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import statistics
+import time
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from onnx import TensorProto, helper
+
+import ortbridge
+
+OPSETS = [helper.make_opsetid("", 17), helper.make_opsetid("ortbridge", 1)]
+
+
+@ortbridge.register(name="ortbridge_bench.Clone")
+class Clone(torch.autograd.Function):
+    """Identity-like: a fresh tensor out, the gradient passed through."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+@ortbridge.register(name="ortbridge_bench.View")
+class View(torch.autograd.Function):
+    """Returns a view of its input: no work at all in torch."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def python_op(func: type, x: str, y: str, ctx: str, name: str, training: bool = False):
+    """A PythonOp node calling func.apply(x) on a rank-1 float32 tensor."""
+    return helper.make_node(
+        "PythonOp", [x], [ctx, y], domain="ortbridge", name=name, func_name=func._ortbridge_name,
+        input_convention="d", input_tensor_types=[TensorProto.FLOAT], input_tensor_ranks=[1],
+        input_requires_grads=[int(training)], output_tensor_types=[TensorProto.FLOAT], output_tensor_ranks=[1],
+        training_mode=int(training))
+
+
+def python_op_grad(func: type, ctx: str, g: str, gx: str, name: str):
+    return helper.make_node(
+        "PythonOpGrad", [ctx, g], [gx], domain="ortbridge", name=name, func_name=func._ortbridge_name,
+        output_convention="d", input_tensor_types=[TensorProto.FLOAT], input_tensor_ranks=[1],
+        output_tensor_types=[TensorProto.FLOAT], output_tensor_ranks=[1], output_tensor_requires_grads=[1])
+
+
+def session(nodes: list, inputs: list, outputs: list, threads: int = 1) -> ort.InferenceSession:
+    """A sequential session with `threads` intra-op threads; inputs/outputs: (name, shape)."""
+    graph = helper.make_graph(nodes, "bench", [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in outputs])
+    model = helper.make_model(graph, opset_imports=OPSETS).SerializeToString()
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    return ortbridge.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+
+def versions() -> str:
+    return (f"python {platform.python_version()}  torch {torch.__version__}  onnxruntime {ort.__version__}  "
+            f"onnx {onnx.__version__}  numpy {np.__version__}  cpus {os.cpu_count()}")
+
+
+def loop_time(fn, n: int) -> float:
+    """Seconds per call over n back-to-back calls."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
+def calibrate(fn, target: float) -> int:
+    """Iterations so that one repeat takes about `target` seconds."""
+    n = 1
+    while True:
+        elapsed = loop_time(fn, n) * n
+        if elapsed >= min(0.03, target / 4):
+            break
+        n *= 2
+    return max(1, int(round(target * n / elapsed)))
+
+
+def medians(fns: list, repeats: int, target: float, warmup: int) -> list[float]:
+    """Median seconds per call of each function; the functions' repeats are interleaved, so that
+    drift on the machine touches them all alike. The garbage collector is off while timing."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    ns = [calibrate(fn, target) for fn in fns]
+    times: list[list[float]] = [[] for _ in fns]
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            for fn, n, acc in zip(fns, ns, times):
+                acc.append(loop_time(fn, n))
+    finally:
+        gc.enable()
+    return [statistics.median(t) for t in times]
