@@ -81,6 +81,14 @@ def test_non_contiguous_outputs():
         np.testing.assert_array_equal(g, e.contiguous().numpy())
 
 
+def test_non_contiguous_feeds():
+    # ORT takes a strided array as a contiguous copy; the Function sees the same values as eager.
+    x = np.arange(24, dtype=np.float32).reshape(4, 6)[:, ::2].T
+    assert not x.flags.c_contiguous
+    y, n = run_triple(x, TP.FLOAT)
+    np.testing.assert_array_equal(y, Triple.apply(torch.from_numpy(x))[0].numpy())
+
+
 @ortbridge.register
 class Collect(torch.autograd.Function):
     """Returns x plus a checksum of every constant, and records their Python types."""

@@ -89,3 +89,24 @@ def test_function_that_runs_an_ortbridge_session_does_not_deadlock():
     np.testing.assert_array_equal(y, np.arange(4, dtype=np.float32) * 2 + 1)
     np.testing.assert_array_equal(gx, np.full(4, 3, np.float32))
     _inner.clear()
+
+
+def test_parallel_executor_runs_kernels_on_ort_threads():
+    # ORT's parallel executor calls kernels from its own (non-Python) threads.
+    import onnxruntime as ort
+    nodes = [python_op(Scale, [T("x", requires_grad=True), float(k)], [(TP.FLOAT, 1)], out_names=[f"y{k}"],
+                       ctx_name=f"c{k}", name=f"fw{k}", training=True) for k in (2, 5)]
+    nodes += [python_op_grad(Scale, "dc", [("g", TP.FLOAT, 1)], [(f"gx{k}", TP.FLOAT, 1)], ctx_name=f"c{k}",
+                             name=f"bw{k}") for k in (2, 5)]
+    so = ort.SessionOptions()
+    so.execution_mode = ort.ExecutionMode.ORT_PARALLEL
+    so.inter_op_num_threads = 2
+    sess = session(model(nodes, [value("x", shape=[None]), value("g", shape=[None])],
+                         [value(n) for n in ("y2", "y5", "gx2", "gx5")]), sess_options=so)
+    x, g = np.arange(5, dtype=np.float32), np.ones(5, np.float32)
+    for _ in range(50):
+        y2, y5, gx2, gx5 = sess.run(None, {"x": x, "g": g})
+        np.testing.assert_array_equal(y2, x * 2)
+        np.testing.assert_array_equal(y5, x * 5)
+        np.testing.assert_array_equal(gx2, g * 2)
+        np.testing.assert_array_equal(gx5, g * 5)
