@@ -20,8 +20,8 @@ std::string ShapeText(const std::vector<int64_t>& shape) {
 
 void CheckElementType(const std::string& what, int64_t got, int64_t expected) {
   if (got != expected) {
-    throw std::runtime_error(what + " is " + ElementTypeName(got) + ", but the node declares " +
-                             ElementTypeName(expected));
+    throw std::runtime_error(what + " is " + (got ? ElementTypeName(got) : "of a dtype with no ONNX type") +
+                             ", but the node declares " + ElementTypeName(expected));
   }
 }
 

@@ -104,8 +104,8 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
   static void CheckInPlaceWrites(const std::vector<TensorView>& inputs, const std::vector<TensorView>& outputs,
                                  py::handle modified) {
     for (py::handle index : modified) {
-      const void* buffer = inputs.at(index.cast<size_t>()).data;
       const size_t i = index.cast<size_t>();
+      const void* buffer = inputs.at(i).data;
       if (std::none_of(outputs.begin(), outputs.end(), [&](const TensorView& o) { return o.data == buffer; })) {
         throw std::runtime_error(
             "the Function modified input " + std::to_string(i) +
