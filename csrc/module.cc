@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 
 #include "kernel_io.h"
+#include "proxy.h"
 
 namespace py = pybind11;
 
@@ -20,6 +21,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("skipped_output_copies", &ortbridge::SkippedOutputCopies,
         "Outputs written without a copy since the process started: the Function wrote in place into the "
         "buffer ONNX Runtime gave the output.");
+  m.def("_begin_run", &ortbridge::BeginRunScope);
+  m.def("_end_run", &ortbridge::EndRunScope, py::arg("failed"));
   m.def("_shutdown", &ortbridge::Shutdown);
   py::module_::import("atexit").attr("register")(m.attr("_shutdown"));
 }

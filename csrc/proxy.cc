@@ -2,17 +2,36 @@
 
 #include <atomic>
 #include <stdexcept>
+#include <vector>
 
 #include <pybind11/gil_safe_call_once.h>
 
 namespace ortbridge {
 namespace {
 std::atomic<bool> g_shutdown{false};
+thread_local std::vector<std::vector<int64_t>> t_run_scopes;  // context ids per open run
 }
 
 PythonContextPool& Contexts() {
   static auto* pool = new PythonContextPool;  // never destroyed: entries must die under the GIL
   return *pool;
+}
+
+int64_t AddContext(SavedContext saved) {
+  int64_t id = Contexts().Add(std::move(saved));
+  if (!t_run_scopes.empty()) t_run_scopes.back().push_back(id);
+  return id;
+}
+
+void BeginRunScope() { t_run_scopes.emplace_back(); }
+
+void EndRunScope(bool failed) {
+  if (t_run_scopes.empty()) return;
+  std::vector<int64_t> ids = std::move(t_run_scopes.back());
+  t_run_scopes.pop_back();
+  if (failed) {
+    for (int64_t id : ids) Contexts().Take(id);  // dropped here, GIL held
+  }
 }
 
 void RequirePython() {

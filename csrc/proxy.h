@@ -24,6 +24,16 @@ struct SavedContext {
 using PythonContextPool = ContextPool<SavedContext>;
 PythonContextPool& Contexts();
 
+// Adds a context to the pool, remembering it in this thread's innermost run scope.
+int64_t AddContext(SavedContext saved);
+
+// A run scope covers one session run on this thread (ortbridge.InferenceSession opens one), so
+// that a run which fails releases the contexts it created: their backward will never run, and
+// their ids never reached the caller. Scopes nest, as a Function may run a session itself.
+// Contexts created on other threads (ORT's parallel executor) are not covered.
+void BeginRunScope();
+void EndRunScope(bool failed);
+
 // Throws std::runtime_error when no interpreter can run kernels (none, or it is exiting).
 // Callable without the GIL.
 void RequirePython();

@@ -76,7 +76,7 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
         if (result.size() == n + 2) CheckInPlaceWrites(inputs, outputs, result[n + 1]);
         int64_t id = PythonContextPool::kNoContext;
         if (layout_.training_mode) {
-          id = Contexts().Add({py::reinterpret_borrow<py::object>(result[0]), {inputs.begin(), inputs.end()},
+          id = AddContext({py::reinterpret_borrow<py::object>(result[0]), {inputs.begin(), inputs.end()},
                                {outputs.begin(), outputs.end()}});
         }
         *static_cast<int64_t*>(AllocateOutput(api_, context, 0, {})) = id;

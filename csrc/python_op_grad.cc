@@ -30,17 +30,18 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
     return Guarded(api_, error_prefix_, [&] {
       RequirePython();
       int64_t id = ContextId(context);
-      std::vector<TensorView> grads(layout_.input_tensor_types.size());  // absent gradients stay empty
-      for (size_t k = 0; k < layout_.grad_input_slots.size(); ++k) {
-        size_t slot = layout_.grad_input_slots[k];
-        grads[slot] = ReadInput(api_, context, k + 1, layout_.input_tensor_types[slot]);
-      }
       py::gil_scoped_acquire gil;
+      // Taken first: from here on the context is released however this call ends.
       std::optional<SavedContext> saved = Contexts().Take(id);
       if (!saved) {
         throw std::runtime_error("context id " + std::to_string(id) +
                                  " is not live: its backward already ran, it was released, or its PythonOp ran "
                                  "with training_mode=0");
+      }
+      std::vector<TensorView> grads(layout_.input_tensor_types.size());  // absent gradients stay empty
+      for (size_t k = 0; k < layout_.grad_input_slots.size(); ++k) {
+        size_t slot = layout_.grad_input_slots[k];
+        grads[slot] = ReadInput(api_, context, k + 1, layout_.input_tensor_types[slot]);
       }
       if (saved->outputs.size() != layout_.input_tensor_types.size() ||
           saved->inputs.size() != layout_.output_tensor_types.size()) {

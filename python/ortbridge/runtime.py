@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import onnxruntime as ort
 
 from . import _C
@@ -27,12 +29,33 @@ def session_options(options: ort.SessionOptions | None = None) -> ort.SessionOpt
     return options
 
 
+def _releasing_on_failure(run):
+    """Wraps a run method so that a failed run releases the autograd contexts it created."""
+
+    @functools.wraps(run)
+    def scoped(self, *args, **kwargs):
+        _C._begin_run()
+        try:
+            result = run(self, *args, **kwargs)
+        except BaseException:
+            _C._end_run(failed=True)
+            raise
+        _C._end_run(failed=False)
+        return result
+
+    return scoped
+
+
 class InferenceSession(ort.InferenceSession):
     """onnxruntime.InferenceSession that can run ortbridge PythonOp/PythonOpGrad nodes."""
 
     def __init__(self, path_or_bytes, sess_options: ort.SessionOptions | None = None, providers=None,
                  provider_options=None, **kwargs):
         super().__init__(path_or_bytes, session_options(sess_options), providers, provider_options, **kwargs)
+
+    run = _releasing_on_failure(ort.InferenceSession.run)
+    run_with_ort_values = _releasing_on_failure(ort.InferenceSession.run_with_ort_values)
+    run_with_iobinding = _releasing_on_failure(ort.InferenceSession.run_with_iobinding)
 
 
 def context_pool_size() -> int:

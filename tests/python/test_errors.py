@@ -4,6 +4,7 @@ again correctly and no autograd context is left behind (checked by conftest.no_c
 import re
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto as TP
@@ -197,3 +198,32 @@ def test_unknown_pointer_constant_is_refused():
                             output_tensor_types=[1], output_tensor_ranks=[1])
     with pytest.raises(ORT_ERRORS, match="object key 140733498807928, which no ortbridge.pin_object call made"):
         session(model([node], [value("x", TP.FLOAT, [3])], [value("y")]))
+
+
+def test_failed_run_releases_the_contexts_it_created(faulty):
+    # The forward keeps a context, then a later node fails before the backward could use it.
+    fw = python_op(Faulty, [T("x", requires_grad=True)], [(TP.FLOAT, 1)], out_names=["y"], training=True)
+    later = python_op(Faulty, [T("y")], [(TP.FLOAT, 1)], out_names=["z"], ctx_name="c2", name="later")
+    bw = python_op_grad(Faulty, "d", [("g", TP.FLOAT, 1)], [("gx", TP.FLOAT, 1)])
+    sess = session(model([fw, later, bw], [value("x", shape=[3]), value("g", shape=[3])],
+                         [value("z"), value("gx"), value("ctx", TP.INT64)]))
+    feed = {"x": np.ones(3, np.float32), "g": np.ones(3, np.float32)}
+    original = Faulty.forward
+
+    def forward(ctx, x):  # fails in the second node only
+        if x.requires_grad:
+            return x * 2
+        raise ValueError("later node failed")
+
+    try:
+        Faulty.forward = staticmethod(forward)
+        with pytest.raises(ORT_ERRORS, match="later node failed"):
+            sess.run(None, feed)
+        assert ortbridge.context_pool_size() == 0
+        with pytest.raises(ORT_ERRORS, match="later node failed"):
+            sess.run_with_ort_values(None, {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in feed.items()})
+        assert ortbridge.context_pool_size() == 0
+    finally:
+        Faulty.forward = original
+    z, gx, ctx = sess.run(None, feed)  # the forward's context was consumed by the backward
+    np.testing.assert_array_equal(gx, np.full(3, 2, np.float32))
