@@ -204,16 +204,17 @@ def test_failed_run_releases_the_contexts_it_created(faulty):
     # The forward keeps a context, then a later node fails before the backward could use it.
     fw = python_op(Faulty, [T("x", requires_grad=True)], [(TP.FLOAT, 1)], out_names=["y"], training=True)
     later = python_op(Faulty, [T("y")], [(TP.FLOAT, 1)], out_names=["z"], ctx_name="c2", name="later")
-    bw = python_op_grad(Faulty, "d", [("g", TP.FLOAT, 1)], [("gx", TP.FLOAT, 1)])
-    sess = session(model([fw, later, bw], [value("x", shape=[3]), value("g", shape=[3])],
-                         [value("z"), value("gx"), value("ctx", TP.INT64)]))
-    feed = {"x": np.ones(3, np.float32), "g": np.ones(3, np.float32)}
+    bw = python_op_grad(Faulty, "d", [("z", TP.FLOAT, 1)], [("gx", TP.FLOAT, 1)])  # runs after `later`
+    sess = session(model([fw, later, bw], [value("x", shape=[3])], [value("gx"), value("ctx", TP.INT64)]))
+    feed = {"x": np.ones(3, np.float32)}
     original = Faulty.forward
 
     def forward(ctx, x):  # fails in the second node only
-        if x.requires_grad:
+        if x.requires_grad or not fail:
             return x * 2
         raise ValueError("later node failed")
+
+    fail = True
 
     try:
         Faulty.forward = staticmethod(forward)
@@ -223,7 +224,8 @@ def test_failed_run_releases_the_contexts_it_created(faulty):
         with pytest.raises(ORT_ERRORS, match="later node failed"):
             sess.run_with_ort_values(None, {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in feed.items()})
         assert ortbridge.context_pool_size() == 0
+        fail = False
+        gx, ctx = sess.run(None, feed)  # the forward's context was consumed by the backward
+        np.testing.assert_array_equal(gx, np.full(3, 8, np.float32))  # backward: 2 * z, z = 2 * (2 * x)
     finally:
         Faulty.forward = original
-    z, gx, ctx = sess.run(None, feed)  # the forward's context was consumed by the backward
-    np.testing.assert_array_equal(gx, np.full(3, 2, np.float32))
