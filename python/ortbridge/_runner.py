@@ -52,7 +52,8 @@ def _as_tuple(result, what: str) -> tuple:
 
 
 def _export_tensor(t, owner: str, index: int):
-    """A DLPack capsule of `t`; the kernel checks its dtype and rank against the node."""
+    """A DLPack capsule of `t`; the kernel checks its dtype and rank against the node. (The
+    forward inlines the common case: a CPU tensor.)"""
     if isinstance(t, torch.Tensor) and t.is_cpu:
         return _to_dlpack(t)
     what = f"{owner} {index}"
@@ -79,6 +80,7 @@ class ForwardNode:
         self.output_count = output_count
 
     def run(self, capsules: tuple) -> tuple:
+        """(autograd context or None, one capsule per output[, indices of inputs modified in place])."""
         args = self.args.copy()
         tensors = list(map(_from_dlpack, capsules))
         for position, tensor in zip(self.tensor_positions, tensors):
@@ -97,9 +99,22 @@ class ForwardNode:
                 _set_grad_enabled(grad_was_enabled)
             if training:
                 _pop_saved_hooks()
-        if type(outputs) is not tuple:
+        if isinstance(outputs, torch.Tensor):
+            outputs = (outputs,)
+        elif type(outputs) is not tuple:
             outputs = _as_tuple(outputs, f"{self.name}.forward")
-        return self._export(self._context(outputs, borrowed) if training else None, outputs, tensors)
+        if len(outputs) != self.output_count:
+            raise RuntimeError(f"{self.name}.forward returned {len(outputs)} outputs, but the node declares "
+                               f"{self.output_count} (output_tensor_types)")
+        result = [self._context(outputs, borrowed) if training else None]
+        for i, o in enumerate(outputs):
+            result.append(_to_dlpack(o) if isinstance(o, torch.Tensor) and o.is_cpu
+                          else _export_tensor(o, self.forward_output, i))
+        for t in tensors:
+            if t._version:  # the Function wrote into one of ORT's buffers: rare, checked in full
+                result.append(self._modified_inputs(tensors, outputs))
+                break
+        return tuple(result)
 
     def _prepare_training(self, tensors: list) -> set:
         """Flags the inputs that need gradients and installs the saved-tensor hooks; returns the
@@ -131,29 +146,17 @@ class ForwardNode:
                 return ctx
         return None
 
-    def _export(self, ctx, outputs, tensors: list) -> tuple:
-        """(autograd context or None, one capsule per output[, indices of inputs modified in place])."""
-        if len(outputs) != self.output_count:
-            raise RuntimeError(f"{self.name}.forward returned {len(outputs)} outputs, but the node declares "
-                               f"{self.output_count} (output_tensor_types)")
-        result = [ctx]
-        for i, o in enumerate(outputs):
-            result.append(_export_tensor(o, self.forward_output, i))
-        for t in tensors:
-            if t._version:  # a Function wrote into one of ORT's buffers: rare, checked in full
-                modified = [i for i, t in enumerate(tensors) if t._version]
-                self._check_modified(modified, tensors, outputs)
-                result.append(modified)
-                break
-        return tuple(result)
-
-    def _check_modified(self, modified: list, tensors: list, outputs: tuple) -> None:
-        returned = {o.data_ptr() for o in outputs if isinstance(o, torch.Tensor)}
+    def _modified_inputs(self, tensors: list, outputs: tuple) -> list:
+        """Indices of the inputs the Function wrote into, each of which it must return (the kernel
+        then checks that ORT gave that output the input's buffer)."""
+        modified = [i for i, t in enumerate(tensors) if t._version]
+        returned = {o.data_ptr() for o in outputs}
         for i in modified:
             if tensors[i].data_ptr() not in returned:
                 raise RuntimeError(
                     f"{self.name}.forward modified input {i} in place without returning it; ONNX Runtime may "
                     "still read that buffer. Modify a copy instead (x = x.clone()).")
+        return modified
 
 
 def _own_borrowed_attributes(ctx, borrowed: set) -> None:
