@@ -12,10 +12,11 @@ namespace {
 
 std::atomic<uint64_t> g_skipped_copies{0};
 
+// As Python prints a tuple: (), (3,), (2, 3).
 std::string ShapeText(const std::vector<int64_t>& shape) {
   std::string s = "(";
-  for (size_t i = 0; i < shape.size(); ++i) s += std::to_string(shape[i]) + (shape.size() == 1 || i + 1 < shape.size() ? "," : "");
-  return s + ")";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + (shape.size() == 1 ? ",)" : ")");
 }
 
 void CheckElementType(const std::string& what, int64_t got, int64_t expected) {
@@ -52,7 +53,7 @@ py::tuple BorrowInputs(const std::vector<TensorView>& inputs) {
 }
 
 TensorView WriteOutput(const OrtApi& api, OrtKernelContext* context, size_t index, PyObject* capsule, int64_t type,
-                       int64_t rank, const std::string& what, const std::vector<int64_t>* shape) {
+                       int64_t rank, const std::string& what, const std::vector<int64_t>* expected_shape) {
   ImportedTensor t(capsule);
   const dl::Tensor& d = t.tensor();
   if (d.device.device_type != dl::kCPU) {
@@ -67,9 +68,9 @@ TensorView WriteOutput(const OrtApi& api, OrtKernelContext* context, size_t inde
   TensorView out;
   out.elem_type = type;
   out.shape = t.shape();
-  if (shape && out.shape != *shape) {
+  if (expected_shape && out.shape != *expected_shape) {
     throw std::runtime_error(what + " has shape " + ShapeText(out.shape) + ", but the forward input had shape " +
-                             ShapeText(*shape));
+                             ShapeText(*expected_shape));
   }
   out.data = AllocateOutput(api, context, index, out.shape);
   if (out.data != t.data()) {

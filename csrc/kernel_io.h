@@ -22,10 +22,10 @@ uint64_t SkippedOutputCopies();
 py::tuple BorrowInputs(const std::vector<TensorView>& inputs);
 
 // Writes `capsule` (a tensor from Python) to output `index`, after checking that it lives on
-// the CPU and has `type` and `rank` (and `shape`, when given); returns the output. `what` names
-// it in errors ("output 2"). GIL held.
+// the CPU and has `type` and `rank` (and `expected_shape`, when given); returns the output.
+// `what` names it in errors ("output 2"). GIL held.
 TensorView WriteOutput(const OrtApi& api, OrtKernelContext* context, size_t index, PyObject* capsule, int64_t type,
-                       int64_t rank, const std::string& what, const std::vector<int64_t>* shape = nullptr);
+                       int64_t rank, const std::string& what, const std::vector<int64_t>* expected_shape = nullptr);
 
 // Output `index` as zeros of `meta`'s type and shape.
 void WriteZeros(const OrtApi& api, OrtKernelContext* context, size_t index, const TensorMeta& meta);
