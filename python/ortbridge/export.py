@@ -27,7 +27,7 @@ def export(model: torch.nn.Module, args, path=None, *, kwargs: dict | None = Non
     """Export `model(*args, **kwargs)` to ONNX; save it to `path` if given, and return it."""
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     kwargs = kwargs or {}
-    functions = [registry.lookup(name) for name in registry.registered_names()]
+    functions = list(dict.fromkeys(registry.lookup(name) for name in registry.registered_names()))
     calls = _CallLog()
     was_training = model.training
     model.eval()  # an inference graph: training_mode=0, no autograd contexts
@@ -188,7 +188,7 @@ def _apply_replaced(functions: list, hook):
     try:
         yield
     finally:
-        for cls, own in saved:
+        for cls, own in reversed(saved):
             if own is None:
                 del cls.apply
             else:

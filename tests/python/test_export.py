@@ -91,3 +91,18 @@ def test_unsupported_argument_is_named():
 
     with pytest.raises(TypeError, match=r"argument 1 of test_export.Gelu.apply is str"):
         ortbridge.export(M(), (torch.ones(2),))
+
+
+def test_export_leaves_functions_as_they_were():
+    ortbridge.register(Gelu, name="test_export.GeluAlias")  # one class under two names
+    try:
+        class M(torch.nn.Module):
+            def forward(self, x):
+                return Gelu.apply(x, 1.0)
+
+        ortbridge.export(M(), (torch.ones(2),))
+        assert "apply" not in Gelu.__dict__  # the inherited Function.apply again
+        assert Gelu.apply(torch.ones(2), 1.0).shape == (2,)
+    finally:
+        ortbridge.unregister("test_export.GeluAlias")
+        ortbridge.register(Gelu)
