@@ -46,13 +46,14 @@ class View(torch.autograd.Function):
         return g
 
 
-def python_op(func: type, x: str, y: str, ctx: str, name: str, training: bool = False):
-    """A PythonOp node calling func.apply(x) on a rank-1 float32 tensor."""
+def python_op(func: type, x: str, y: str, ctx: str, name: str, training: bool = False, safe: bool = True):
+    """A PythonOp node calling func.apply(x) on a rank-1 float32 tensor (func.forward, with no
+    autograd, when not `safe`)."""
     return helper.make_node(
         "PythonOp", [x], [ctx, y], domain="ortbridge", name=name, func_name=func._ortbridge_name,
         input_convention="d", input_tensor_types=[TensorProto.FLOAT], input_tensor_ranks=[1],
         input_requires_grads=[int(training)], output_tensor_types=[TensorProto.FLOAT], output_tensor_ranks=[1],
-        training_mode=int(training))
+        training_mode=int(training), safe_run_mode=int(safe))
 
 
 def python_op_grad(func: type, ctx: str, g: str, gx: str, name: str):

@@ -9,8 +9,11 @@ ORT kernel dispatch, GIL acquisition, DLPack in and out, Function.apply, and the
 result into ORT's output buffer. The reference is the same chain of Function.apply calls in
 eager PyTorch, timed in the same process and run.
 
-Two modes:
+Three modes:
   inference  training_mode=0; eager runs the chain under torch.no_grad().
+  forward    training_mode=0 and safe_run_mode=0: the node calls the Function's forward
+             directly, without Function.apply (ORT's opt-in fast path for inference). Eager as
+             for inference.
   training   one ORT graph: the K PythonOps (training_mode=1, input_requires_grads=[1]) then
              the K PythonOpGrads in reverse order, the gradient of the last output fed as a
              graph input. Eager: y = chain(x) with x.requires_grad, then y.backward(g).
@@ -48,11 +51,11 @@ NUMEL = 16
 KS = (1, 16, 64)
 
 
-def build_session(k: int, training: bool):
+def build_session(k: int, training: bool, safe: bool = True):
     nodes, prev = [], "x"
     for i in range(k):
         out = "y" if i == k - 1 else f"y{i}"
-        nodes.append(python_op(Clone, prev, out, f"ctx{i}", f"fw{i}", training))
+        nodes.append(python_op(Clone, prev, out, f"ctx{i}", f"fw{i}", training, safe))
         prev = out
     inputs, outputs = [("x", [NUMEL])], [("y", None)]
     if training:
@@ -69,7 +72,7 @@ def build_session(k: int, training: bool):
 def make_calls(mode: str, k: int):
     """(ort_call, eager_call, check) for one configuration."""
     training = mode == "training"
-    sess = build_session(k, training)
+    sess = build_session(k, training, safe=mode != "forward")
     x_np = np.arange(NUMEL, dtype=np.float32)
     g_np = np.linspace(-1, 1, NUMEL, dtype=np.float32)
     apply = Clone.apply
@@ -129,14 +132,15 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=7, help="timed repeats per measurement (median reported)")
     p.add_argument("--target", type=float, default=0.25, help="seconds per repeat (sets N)")
     p.add_argument("--quick", action="store_true", help="smoke run: 3 repeats of ~0.03 s")
-    p.add_argument("--modes", default="inference,training", help="comma-separated subset of inference,training")
+    p.add_argument("--modes", default="inference,forward,training",
+                   help="comma-separated subset of inference,forward,training")
     args = p.parse_args(argv)
     repeats, target, warmup = args.repeats, args.target, 20
     if args.quick:
         repeats, target, warmup = min(repeats, 3), 0.03, 3
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
-        if m not in ("inference", "training"):
+        if m not in ("inference", "forward", "training"):
             p.error(f"unknown mode {m!r}")
 
     print(versions())

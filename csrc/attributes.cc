@@ -192,8 +192,9 @@ ForwardLayout ParseForward(const AttributeSource& a, size_t input_count, size_t 
   f.input_convention = RequireString(a, "input_convention");
   CheckConvention("input_convention", f.input_convention);
   f.training_mode = Flag(a, "training_mode", 0);
-  if (!Flag(a, "safe_run_mode", 1)) {
-    Fail("safe_run_mode", "0 (run forward without autograd) is not supported; use 1");
+  f.safe_run_mode = Flag(a, "safe_run_mode", 1);
+  if (f.training_mode && !f.safe_run_mode) {
+    Fail("safe_run_mode", "0 (forward without autograd) is supported only with training_mode=0");
   }
 
   const std::string& conv = f.input_convention;
@@ -271,7 +272,7 @@ BackwardLayout ParseBackward(const AttributeSource& a, size_t input_count, size_
   b.output_convention = RequireString(a, "output_convention");
   CheckConvention("output_convention", b.output_convention);
   if (!Flag(a, "safe_run_mode", 1)) {
-    Fail("safe_run_mode", "0 (run forward without autograd) is not supported; use 1");
+    Fail("safe_run_mode", "0 (forward without autograd) is supported only for PythonOp with training_mode=0");
   }
   if (input_count < 1) Fail("input_tensor_types", "the node needs input 0, the context id");
 

@@ -43,6 +43,7 @@ struct ForwardLayout {
   std::string func_name;
   std::string input_convention;                // 'd' tensor, 'c' constant, one per argument
   bool training_mode = false;
+  bool safe_run_mode = true;                   // false: forward is called without Function.apply
   std::vector<bool> requires_grad;             // per tensor input
   std::vector<size_t> tensor_positions;        // argument index of each tensor input
   std::vector<int64_t> input_tensor_types;     // ONNX element types

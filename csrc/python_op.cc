@@ -127,7 +127,7 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
       requires_grad.append(py::bool_(layout_.requires_grad[i]));
     }
     return Runner().attr("ForwardNode")(layout_.func_name, args, positions, requires_grad, layout_.training_mode,
-                                        layout_.output_tensor_types.size());
+                                        layout_.safe_run_mode, layout_.output_tensor_types.size());
   }
 };
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import traceback
 
 import torch
+from torch.autograd.function import FunctionCtx
 
 from . import _dtypes, registry
 
@@ -66,11 +67,34 @@ def _unpack_saved(t):
     return t
 
 
+def _forward_without_autograd(func: type, argument_count: int):
+    """Calls the Function's forward (and setup_context) with a plain context, bypassing apply
+    and autograd: ORT's safe_run_mode=0, for inference nodes that opt in."""
+    needs_input_grad = (False,) * argument_count
+    forward = func.forward
+    setup_context = func.setup_context
+    if getattr(torch.autograd.function, "_is_setup_context_defined", lambda f: False)(setup_context):
+        def call(*args):
+            output = forward(*args)
+            ctx = FunctionCtx()
+            ctx.needs_input_grad = needs_input_grad
+            setup_context(ctx, args, output)
+            return output
+    else:
+        def call(*args):
+            ctx = FunctionCtx()
+            ctx.needs_input_grad = needs_input_grad
+            return forward(ctx, *args)
+    return call
+
+
 class ForwardNode:
     def __init__(self, func_name: str, args: list, tensor_positions: list, requires_grad: list,
-                 training: bool, output_count: int):
+                 training: bool, safe: bool, output_count: int):
         self.func = registry.lookup(func_name)
-        self.direct_apply = _direct_apply(self.func)  # checked per call: functorch needs the wrapper
+        # How forward runs unless a functorch transform is active (which needs Function.apply):
+        # apply without its pass-through wrapper, or forward itself with safe_run_mode=0.
+        self.fast_call = _direct_apply(self.func) if safe else _forward_without_autograd(self.func, len(args))
         self.name = registry.qualified_name(self.func)
         self.forward_output = f"{self.name}.forward output"
         self.args = args
@@ -92,7 +116,7 @@ class ForwardNode:
         if grad_was_enabled != training:
             _set_grad_enabled(training)
         try:
-            outputs = (self.direct_apply(*args) if self.direct_apply and not _functorch_active()
+            outputs = (self.fast_call(*args) if self.fast_call and not _functorch_active()
                        else self.func.apply(*args))
         finally:
             if grad_was_enabled != training:

@@ -390,9 +390,12 @@ TEST_F(ForwardTest, RejectsSafeRunModeNotBool) {
   EXPECT_TRUE(Fails("safe_run_mode", "must be 0 or 1"));
 }
 
-TEST_F(ForwardTest, RejectsSafeRunModeZero) {
+TEST_F(ForwardTest, SafeRunModeZeroOnlyForInference) {
   a.ints["safe_run_mode"] = 0;
-  EXPECT_TRUE(Fails("safe_run_mode", "not supported"));
+  EXPECT_FALSE(Parse().safe_run_mode);
+  EXPECT_FALSE(Parse().training_mode);
+  a.ints["training_mode"] = 1;
+  EXPECT_TRUE(Fails("safe_run_mode", "supported only with training_mode=0"));
 }
 
 // -- malformed: optional attributes of the wrong type are errors, not defaults ----------------
@@ -779,7 +782,7 @@ TEST_F(BackwardTest, RejectsUnknownConventionChar) {
 
 TEST_F(BackwardTest, RejectsSafeRunMode) {
   a.ints["safe_run_mode"] = 0;
-  EXPECT_TRUE(Fails("safe_run_mode", "not supported"));
+  EXPECT_TRUE(Fails("safe_run_mode", "supported only for PythonOp with training_mode=0"));
   a.ints["safe_run_mode"] = 3;
   EXPECT_TRUE(Fails("safe_run_mode", "must be 0 or 1"));
 }

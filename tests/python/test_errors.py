@@ -168,7 +168,7 @@ MALFORMED = {
     "output_tensor_ranks": dict(output_tensor_ranks=[-2]),
     "input_requires_grads": dict(input_requires_grads=[2]),
     "training_mode": dict(training_mode=3),
-    "safe_run_mode": dict(safe_run_mode=0),
+    "safe_run_mode": dict(safe_run_mode=0, training_mode=1),
     "input_int_scalar_positions": dict(input_int_scalars=[1], input_int_scalar_positions=[0]),
     "tensor_reuse_map": dict(tensor_reuse_map=[-1, 5]),
 }

@@ -167,3 +167,45 @@ def test_inference_mode_runs_without_autograd_and_keeps_no_context():
         ctx, y = sess.run(None, {"x": x})
         assert int(ctx) == 0
     assert ortbridge.context_pool_size() == 0
+
+
+@ortbridge.register
+class UsesContext(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, k):
+        ctx.save_for_backward(x)
+        ctx.mark_non_differentiable(x)
+        assert ctx.needs_input_grad == (False, False)
+        return x * k
+
+    @staticmethod
+    def backward(ctx, g):
+        raise NotImplementedError
+
+
+@ortbridge.register
+class SetupContextStyle(torch.autograd.Function):
+    @staticmethod
+    def forward(x, k=2.0):
+        return x * k
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.k = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.k, None
+
+
+@pytest.mark.parametrize("func", [UsesContext, SetupContextStyle])
+def test_safe_run_mode_0_calls_forward_without_autograd(func):
+    # ORT's opt-in fast path for inference: the same results without Function.apply.
+    x = np.arange(4, dtype=np.float32)
+    got = []
+    for safe in (1, 0):
+        node = python_op(func, [T("x"), 3.0], [(TP.FLOAT, 1)], out_names=["y"], safe_run_mode=safe)
+        (y,) = session(model([node], [value("x", shape=[4])], [value("y")])).run(None, {"x": x})
+        got.append(y)
+    np.testing.assert_array_equal(got[0], x * 3)
+    np.testing.assert_array_equal(got[1], got[0])
