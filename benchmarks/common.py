@@ -67,7 +67,7 @@ def session(nodes: list, inputs: list, outputs: list, threads: int = 1) -> ort.I
     """A sequential session with `threads` intra-op threads; inputs/outputs: (name, shape)."""
     graph = helper.make_graph(nodes, "bench", [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
                               [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in outputs])
-    model = helper.make_model(graph, opset_imports=OPSETS).SerializeToString()
+    model = helper.make_model(graph, opset_imports=OPSETS, ir_version=8).SerializeToString()
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1

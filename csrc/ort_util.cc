@@ -66,11 +66,11 @@ std::vector<int64_t> ShapeInferInts(const OrtApi& api, OrtShapeInferContext* ctx
     if (!required) return {};
     throw OrtError(std::string("attribute '") + name + "' is missing");
   }
-  size_t size = 0;
-  status = api.ReadOpAttr(attr, ORT_OP_ATTR_INTS, nullptr, 0, &size);
+  size_t bytes = 0;  // ReadOpAttr counts bytes, not elements
+  status = api.ReadOpAttr(attr, ORT_OP_ATTR_INTS, nullptr, 0, &bytes);
   if (status) api.ReleaseStatus(status);  // the size query reports "buffer too small"
-  std::vector<int64_t> v(size);
-  if (size) ThrowOnError(api, api.ReadOpAttr(attr, ORT_OP_ATTR_INTS, v.data(), size * sizeof(int64_t), &size));
+  std::vector<int64_t> v(bytes / sizeof(int64_t));
+  if (!v.empty()) ThrowOnError(api, api.ReadOpAttr(attr, ORT_OP_ATTR_INTS, v.data(), bytes, &bytes));
   return v;
 }
 

@@ -12,3 +12,12 @@ cmake --build "$build" --parallel
 (cd "$build" && ctest --output-on-failure)
 
 $PYTHON -m pytest -q tests/python "$@"
+
+# The Python tests again on the oldest ONNX Runtime releases the library supports (1.19.2 is the
+# last onnxruntime-training; 1.20.1's wheel is built with C++ library assertions on).
+for version in ${ORT_COMPAT_VERSIONS-1.19.2 1.20.1}; do
+  target=build/onnxruntime-$version
+  [ -d "$target/onnxruntime" ] || $PYTHON -m pip install -q --no-deps --target "$target" "onnxruntime==$version"
+  echo "== onnxruntime $version"
+  PYTHONPATH="$target" $PYTHON -m pytest -q -p no:cacheprovider tests/python "$@"
+done

@@ -95,7 +95,8 @@ def value(name: str, elem_type: int = TensorProto.FLOAT, shape=None):
 
 def model(nodes: list, inputs: list, outputs: list) -> bytes:
     graph = helper.make_graph(nodes, "test", inputs, outputs)
-    return helper.make_model(graph, opset_imports=OPSETS).SerializeToString()
+    # IR version 8 (opset 17's) so that older ONNX Runtime releases load the test models too.
+    return helper.make_model(graph, opset_imports=OPSETS, ir_version=8).SerializeToString()
 
 
 def session(model_bytes: bytes, **kwargs) -> ortbridge.InferenceSession:
