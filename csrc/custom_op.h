@@ -1,6 +1,6 @@
 // One OrtCustomOp per kernel class: variadic, heterogeneous inputs and outputs on the CPU
 // execution provider, with status-returning callbacks. Kernel supplies kName, kMinInputs,
-// kMinOutputs, Create, Compute and InferShape.
+// kMinOutputs, kInplace (may output 1 take input 0's buffer), Create, Compute and InferShape.
 #pragma once
 
 #include <onnxruntime_c_api.h>
