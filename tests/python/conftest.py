@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import onnx
 import pytest
+import torch
 from onnx import TensorProto, helper
 
 import ortbridge
@@ -101,6 +102,24 @@ def model(nodes: list, inputs: list, outputs: list) -> bytes:
 
 def session(model_bytes: bytes, **kwargs) -> ortbridge.InferenceSession:
     return ortbridge.InferenceSession(model_bytes, providers=["CPUExecutionProvider"], **kwargs)
+
+
+@ortbridge.register
+class NewStyle(torch.autograd.Function):
+    """forward without ctx plus setup_context, with a default argument (torch's apply wrapper
+    binds it, so ortbridge must go through that wrapper)."""
+
+    @staticmethod
+    def forward(x, scale=3.0):
+        return x * scale
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.scale = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
 
 
 @pytest.fixture(autouse=True)

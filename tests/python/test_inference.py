@@ -9,7 +9,7 @@ from onnx import TensorProto as TP
 from onnx import helper
 
 import ortbridge
-from conftest import T, model, python_op, session, value
+from conftest import NewStyle, T, model, python_op, session, value
 
 
 @ortbridge.register
@@ -183,22 +183,7 @@ class UsesContext(torch.autograd.Function):
         raise NotImplementedError
 
 
-@ortbridge.register
-class SetupContextStyle(torch.autograd.Function):
-    @staticmethod
-    def forward(x, k=2.0):
-        return x * k
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.k = inputs[1]
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * ctx.k, None
-
-
-@pytest.mark.parametrize("func", [UsesContext, SetupContextStyle])
+@pytest.mark.parametrize("func", [UsesContext, NewStyle])
 def test_safe_run_mode_0_calls_forward_without_autograd(func):
     # ORT's opt-in fast path for inference: the same results without Function.apply.
     x = np.arange(4, dtype=np.float32)

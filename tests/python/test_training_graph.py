@@ -5,7 +5,7 @@ import torch
 from onnx import TensorProto as TP
 
 import ortbridge
-from conftest import T, model, python_op, python_op_grad, session, value
+from conftest import NewStyle, T, model, python_op, python_op_grad, session, value
 
 
 @ortbridge.register
@@ -169,24 +169,6 @@ def test_context_crosses_sessions_until_released():
     assert ortbridge.context_pool_size() == 1
     assert ortbridge.release_context(int(ctx1)) is True
     assert ortbridge.release_context(int(ctx1)) is False
-
-
-@ortbridge.register
-class NewStyle(torch.autograd.Function):
-    """forward without ctx plus setup_context, with a default argument (torch's apply wrapper
-    binds it, so ortbridge must go through that wrapper)."""
-
-    @staticmethod
-    def forward(x, scale=3.0):
-        return x * scale
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.scale = inputs[1]
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * ctx.scale, None
 
 
 def test_setup_context_style_function():
