@@ -96,10 +96,17 @@ void SetOutputTypeAndRank(const OrtApi& api, OrtShapeInferContext* ctx, size_t i
   ThrowOnError(api, status);
 }
 
-void CopyInputTypeShape(const OrtApi& api, OrtShapeInferContext* ctx, size_t input, size_t output) {
+bool CopyInputTypeShape(const OrtApi& api, OrtShapeInferContext* ctx, size_t input, size_t output, int64_t elem_type,
+                        int64_t rank) {
   OrtTensorTypeAndShapeInfo* info = nullptr;  // owned by the context
   ThrowOnError(api, api.ShapeInferContext_GetInputTypeShape(ctx, input, &info));
+  ONNXTensorElementDataType type;
+  size_t dims = 0;
+  ThrowOnError(api, api.GetTensorElementType(info, &type));
+  ThrowOnError(api, api.GetDimensionsCount(info, &dims));
+  if (type != elem_type || static_cast<int64_t>(dims) != rank) return false;
   ThrowOnError(api, api.ShapeInferContext_SetOutputTypeShape(ctx, output, info));
+  return true;
 }
 
 std::string NodeName(const OrtApi& api, const OrtKernelInfo* info) {

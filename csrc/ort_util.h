@@ -61,8 +61,10 @@ class KernelInfoAttributes : public AttributeSource {
 std::vector<int64_t> ShapeInferInts(const OrtApi& api, OrtShapeInferContext* ctx, const char* name,
                                     bool required = true);
 
-// Gives output `output` the inferred type and shape of input `input`.
-void CopyInputTypeShape(const OrtApi& api, OrtShapeInferContext* ctx, size_t input, size_t output);
+// Gives output `output` the inferred type and shape of input `input`, when that input has
+// `elem_type` and `rank`; returns whether it did.
+bool CopyInputTypeShape(const OrtApi& api, OrtShapeInferContext* ctx, size_t input, size_t output, int64_t elem_type,
+                        int64_t rank);
 
 // Sets output `index` to a tensor of `elem_type` and `rank` unknown dimensions.
 void SetOutputTypeAndRank(const OrtApi& api, OrtShapeInferContext* ctx, size_t index, int64_t elem_type,

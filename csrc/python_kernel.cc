@@ -13,11 +13,10 @@ void InferOutputsFromAttributes(const OrtApi& api, OrtShapeInferContext* context
   }
   for (size_t i = 0; i < types.size(); ++i) {
     const size_t j = first + i;
-    if (j < reuse.size() && reuse[j] >= 0) {
-      CopyInputTypeShape(api, context, static_cast<size_t>(reuse[j]), j);
-    } else {
-      SetOutputTypeAndRank(api, context, j, types[i], ranks[i]);
-    }
+    // A reused input whose type or rank differs (ORTModule maps views too) gets the general rule.
+    const bool reused = j < reuse.size() && reuse[j] >= 0 &&
+                        CopyInputTypeShape(api, context, static_cast<size_t>(reuse[j]), j, types[i], ranks[i]);
+    if (!reused) SetOutputTypeAndRank(api, context, j, types[i], ranks[i]);
   }
 }
 

@@ -50,8 +50,8 @@ class PythonKernel {
 };
 
 // Sets outputs [first, ...) from the node's output_tensor_types and output_tensor_ranks, except
-// that output j takes the type and shape of input reuse[j] when that entry is >= 0 (an output
-// that is its input updated in place: tensor_reuse_map).
+// that output j takes the shape of input reuse[j] when that entry is >= 0 and the input has the
+// output's type and rank (an output that is its input updated in place: tensor_reuse_map).
 void InferOutputsFromAttributes(const OrtApi& api, OrtShapeInferContext* context, size_t first,
                                 const std::vector<int64_t>& reuse = {});
 
