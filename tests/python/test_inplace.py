@@ -114,6 +114,7 @@ def test_reuse_map_naming_an_input_of_another_rank_falls_back_to_declared_rank()
     # ORTModule graphs map views of inputs too; their shapes differ from the input's.
     node = python_op(Reshaped, [T("r")], [(TP.FLOAT, 2)], out_names=["y"], tensor_reuse_map=[-1, 0])
     nodes = [helper.make_node("Relu", ["x"], ["r"]), node, helper.make_node("Neg", ["y"], ["z"])]
-    sess = session(model(nodes, [value("x", shape=[6])], [value("z")]))
-    (z,) = sess.run(None, {"x": np.arange(6, dtype=np.float32)})
+    sess = session(model(nodes, [value("x", shape=[6])], [value("z"), value("y")]))
+    assert [len(o.shape) for o in sess.get_outputs()] == [2, 2]  # not the input's [6]
+    z, y = sess.run(None, {"x": np.arange(6, dtype=np.float32)})
     np.testing.assert_array_equal(z, -np.arange(6, dtype=np.float32).reshape(2, 3))
