@@ -13,7 +13,11 @@ if [ -f "$dest/include/onnxruntime_c_api.h" ]; then
   echo "ORT headers already in third_party/onnxruntime/include"
   exit 0
 fi
-command -v apt-get >/dev/null || { echo "apt-get not found: this script needs a Debian-family machine." >&2; exit 1; }
+command -v apt-get >/dev/null || {
+  echo "apt-get not found: this script needs a Debian-family machine. Elsewhere, point ORT_INCLUDE_DIR" \
+       "at a folder holding onnxruntime_c_api.h." >&2
+  exit 1
+}
 
 . /etc/os-release
 suite=${ORT_HEADERS_SUITE:-${VERSION_CODENAME:-trixie}}
@@ -23,7 +27,11 @@ case "$suite" in bullseye|bookworm) suite=trixie ;; esac
 mirror=$( (grep -hs '^URIs:' /etc/apt/sources.list.d/*.sources | awk '{print $2}'
            grep -hs '^deb ' /etc/apt/sources.list /etc/apt/sources.list.d/*.list | awk '{print $2}') \
           | grep -E '/debian/?$' | head -n 1) || true
-[ -n "$mirror" ] || { echo "No Debian mirror found in this machine's apt sources." >&2; exit 1; }
+[ -n "$mirror" ] || {
+  echo "No Debian mirror found in this machine's apt sources. Point ORT_INCLUDE_DIR at a folder" \
+       "holding onnxruntime_c_api.h (from any ONNX Runtime 1.18+ release) instead." >&2
+  exit 1
+}
 
 state=$(mktemp -d)
 trap 'rm -rf "$state"' EXIT
