@@ -178,3 +178,66 @@ def test_setup_context_style_function():
     y, gx = sess.run(None, {"x": np.arange(3, dtype=np.float32), "g": np.ones(3, np.float32)})
     np.testing.assert_array_equal(y, np.arange(3, dtype=np.float32) * 3)
     np.testing.assert_array_equal(gx, np.full(3, 3, np.float32))
+
+
+@ortbridge.register
+class Recomputes(torch.autograd.Function):
+    """Saves only its input and recomputes the forward under autograd in backward, as activation
+    checkpointing does."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.tanh(x) * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            y = torch.tanh(x) * x
+            (gx,) = torch.autograd.grad(y, x, g)
+        return gx
+
+
+def test_backward_may_run_autograd_itself():
+    fw = python_op(Recomputes, [T("x", requires_grad=True)], [(TP.FLOAT, 1)], out_names=["y"], training=True)
+    bw = python_op_grad(Recomputes, "d", [("g", TP.FLOAT, 1)], [("gx", TP.FLOAT, 1)])
+    sess = session(model([fw, bw], [value("x", shape=[5]), value("g", shape=[5])], [value("y"), value("gx")]))
+    x, g = np.linspace(-2, 2, 5, dtype=np.float32), np.linspace(1, 2, 5, dtype=np.float32)
+    y, gx = sess.run(None, {"x": x, "g": g})
+    xt = torch.from_numpy(x).requires_grad_()
+    yt = Recomputes.apply(xt)
+    (et,) = torch.autograd.grad(yt, xt, torch.from_numpy(g))
+    np.testing.assert_array_equal(y, yt.detach().numpy())
+    np.testing.assert_array_equal(gx, et.numpy())
+
+
+@ortbridge.register
+class PassThrough(torch.autograd.Function):
+    """Returns one input unchanged (torch turns it into a view) and an int64 output that needs no
+    gradient."""
+
+    @staticmethod
+    def forward(ctx, x, n):
+        ctx.mark_non_differentiable(n)
+        return x, x * 2, n
+
+    @staticmethod
+    def backward(ctx, ga, gb, gn):
+        return ga + gb * 2, None
+
+
+def test_input_passed_through_and_integer_output():
+    fw = python_op(PassThrough, [T("x", requires_grad=True), T("n", TP.INT64)],
+                   [(TP.FLOAT, 1), (TP.FLOAT, 1), (TP.INT64, 1)], out_names=["a", "b", "m"], training=True)
+    bw = python_op_grad(PassThrough, "dd", [("ga", TP.FLOAT, 1), ("gb", TP.FLOAT, 1), (None, TP.INT64, 1)],
+                        [("gx", TP.FLOAT, 1), (None, TP.INT64, 1)])
+    sess = session(model([fw, bw], [value("x", shape=[3]), value("n", TP.INT64, [2]), value("ga", shape=[3]),
+                                    value("gb", shape=[3])], [value("a"), value("b"), value("m", TP.INT64), value("gx")]))
+    x, n = np.arange(3, dtype=np.float32), np.array([4, 5])
+    a, b, m, gx = sess.run(None, {"x": x, "n": n, "ga": np.ones(3, np.float32), "gb": np.ones(3, np.float32)})
+    np.testing.assert_array_equal(a, x)
+    np.testing.assert_array_equal(b, x * 2)
+    np.testing.assert_array_equal(m, n)
+    np.testing.assert_array_equal(gx, np.full(3, 3, np.float32))
