@@ -19,20 +19,21 @@ std::string ShapeText(const std::vector<int64_t>& shape) {
   return s + (shape.size() == 1 ? ",)" : ")");
 }
 
-void CheckElementType(const std::string& what, int64_t got, int64_t expected) {
-  if (got != expected) {
-    throw std::runtime_error(what + " is " + (got ? ElementTypeName(got) : "of a dtype with no ONNX type") +
-                             ", but the node declares " + ElementTypeName(expected));
-  }
+[[noreturn]] void ThrowTypeMismatch(const std::string& what, int64_t got, int64_t expected) {
+  throw std::runtime_error(what + " is " + (got ? ElementTypeName(got) : "of a dtype with no ONNX type") +
+                           ", but the node declares " + ElementTypeName(expected));
 }
 
 }  // namespace
 
-TensorView ReadInput(const OrtApi& api, OrtKernelContext* context, size_t index, int64_t type) {
+TensorView ReadInput(const OrtApi& api, OrtKernelContext* context, size_t index, int64_t type, int64_t rank) {
   TensorView t;
-  std::string what = "input " + std::to_string(index);
-  if (!GetInputTensor(api, context, index, &t)) throw std::runtime_error(what + " is missing");
-  CheckElementType(what, t.elem_type, type);
+  if (!GetInputTensor(api, context, index, &t)) throw std::runtime_error("input " + std::to_string(index) + " is missing");
+  if (t.elem_type != type) ThrowTypeMismatch("input " + std::to_string(index), t.elem_type, type);
+  if (rank >= 0 && static_cast<int64_t>(t.shape.size()) != rank) {
+    throw std::runtime_error("input " + std::to_string(index) + " has rank " + std::to_string(t.shape.size()) +
+                             ", but the node declares rank " + std::to_string(rank));
+  }
   return t;
 }
 
@@ -53,23 +54,25 @@ py::tuple BorrowInputs(const std::vector<TensorView>& inputs) {
 }
 
 TensorView WriteOutput(const OrtApi& api, OrtKernelContext* context, size_t index, PyObject* capsule, int64_t type,
-                       int64_t rank, const std::string& what, const std::vector<int64_t>* expected_shape) {
+                       int64_t rank, const char* kind, const std::vector<int64_t>* expected_shape) {
   ImportedTensor t(capsule);
   const dl::Tensor& d = t.tensor();
+  auto what = [&] { return std::string(kind) + " " + std::to_string(index); };
   if (d.device.device_type != dl::kCPU) {
-    throw std::runtime_error(what + " is on " + DeviceName(d.device) +
+    throw std::runtime_error(what() + " is on " + DeviceName(d.device) +
                              ", but this kernel runs on the CPU execution provider");
   }
-  CheckElementType(what, FromDLDataType(d.dtype), type);
+  const int64_t got = FromDLDataType(d.dtype);
+  if (got != type) ThrowTypeMismatch(what(), got, type);
   if (d.ndim != rank) {
-    throw std::runtime_error(what + " has rank " + std::to_string(d.ndim) + ", but the node declares rank " +
+    throw std::runtime_error(what() + " has rank " + std::to_string(d.ndim) + ", but the node declares rank " +
                              std::to_string(rank));
   }
   TensorView out;
   out.elem_type = type;
   out.shape = t.shape();
   if (expected_shape && out.shape != *expected_shape) {
-    throw std::runtime_error(what + " has shape " + ShapeText(out.shape) + ", but the forward input had shape " +
+    throw std::runtime_error(what() + " has shape " + ShapeText(out.shape) + ", but the forward input had shape " +
                              ShapeText(*expected_shape));
   }
   out.data = AllocateOutput(api, context, index, out.shape);

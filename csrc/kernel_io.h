@@ -12,8 +12,9 @@
 
 namespace ortbridge {
 
-// Input `index`, which must be present and of element type `type`. Read before the GIL is taken.
-TensorView ReadInput(const OrtApi& api, OrtKernelContext* context, size_t index, int64_t type);
+// Input `index`, which must be present, of element type `type` and of rank `rank` (-1: any).
+// Read before the GIL is taken.
+TensorView ReadInput(const OrtApi& api, OrtKernelContext* context, size_t index, int64_t type, int64_t rank);
 
 // Outputs written without a copy because the Function wrote into the buffer ORT gave the output.
 uint64_t SkippedOutputCopies();
@@ -23,9 +24,9 @@ py::tuple BorrowInputs(const std::vector<TensorView>& inputs);
 
 // Writes `capsule` (a tensor from Python) to output `index`, after checking that it lives on
 // the CPU and has `type` and `rank` (and `expected_shape`, when given); returns the output.
-// `what` names it in errors ("output 2"). GIL held.
+// Errors call it "<kind> <index>" ("gradient output 2"). GIL held.
 TensorView WriteOutput(const OrtApi& api, OrtKernelContext* context, size_t index, PyObject* capsule, int64_t type,
-                       int64_t rank, const std::string& what, const std::vector<int64_t>* expected_shape = nullptr);
+                       int64_t rank, const char* kind, const std::vector<int64_t>* expected_shape = nullptr);
 
 // Output `index` as zeros of `meta`'s type and shape.
 void WriteZeros(const OrtApi& api, OrtKernelContext* context, size_t index, const TensorMeta& meta);

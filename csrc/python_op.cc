@@ -56,7 +56,7 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
       RequirePython();
       std::vector<TensorView> inputs;
       for (size_t i = 0; i < layout_.input_tensor_types.size(); ++i) {
-        inputs.push_back(ReadInput(api_, context, i, layout_.input_tensor_types[i]));
+        inputs.push_back(ReadInput(api_, context, i, layout_.input_tensor_types[i], layout_.input_tensor_ranks[i]));
       }
       py::gil_scoped_acquire gil;
       try {
@@ -71,7 +71,7 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
         std::vector<TensorView> outputs(n);
         for (size_t i = n; i-- > 0;) {
           outputs[i] = WriteOutput(api_, context, i + 1, result[i + 1].ptr(), layout_.output_tensor_types[i],
-                                   layout_.output_tensor_ranks[i], "output " + std::to_string(i + 1));
+                                   layout_.output_tensor_ranks[i], "output");
         }
         if (result.size() == n + 2) CheckInPlaceWrites(inputs, outputs, result[n + 1]);
         int64_t id = PythonContextPool::kNoContext;

@@ -41,7 +41,7 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
       std::vector<TensorView> grads(layout_.input_tensor_types.size());  // absent gradients stay empty
       for (size_t k = 0; k < layout_.grad_input_slots.size(); ++k) {
         size_t slot = layout_.grad_input_slots[k];
-        grads[slot] = ReadInput(api_, context, k + 1, layout_.input_tensor_types[slot]);
+        grads[slot] = ReadInput(api_, context, k + 1, layout_.input_tensor_types[slot], layout_.input_tensor_ranks[slot]);
       }
       if (saved->outputs.size() != layout_.input_tensor_types.size() ||
           saved->inputs.size() != layout_.output_tensor_types.size()) {
@@ -64,7 +64,7 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
             WriteZeros(api_, context, i, saved->inputs[i]);
           } else {
             WriteOutput(api_, context, i, result[i].ptr(), layout_.output_tensor_types[i],
-                        layout_.output_tensor_ranks[i], "gradient output " + std::to_string(i), &saved->inputs[i].shape);
+                        layout_.output_tensor_ranks[i], "gradient output", &saved->inputs[i].shape);
           }
         }
       } catch (py::error_already_set& e) {

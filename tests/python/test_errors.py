@@ -150,6 +150,13 @@ def test_input_type_differs_from_declared_type():
         sess.run(None, {"x": np.ones(3, np.float32)})
 
 
+def test_input_rank_differs_from_declared_rank():
+    node = python_op(Faulty, [T("x", TP.FLOAT, 2)], [(TP.FLOAT, 1)], out_names=["y"])
+    sess = session(model([node], [value("x", TP.FLOAT, [3])], [value("y")]))
+    with pytest.raises(ORT_ERRORS, match="input 0 has rank 1, but the node declares rank 2"):
+        sess.run(None, {"x": np.ones(3, np.float32)})
+
+
 def test_unregistered_function_is_refused_at_session_creation():
     node = python_op("mypkg.NotRegistered", [T("x")], [(TP.FLOAT, 1)], out_names=["y"], name="mystery")
     with pytest.raises(ORT_ERRORS) as info:
