@@ -6,9 +6,9 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 
 build=build/cpp-tests
-cmake -S . -B "$build" -G Ninja -DORTBRIDGE_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+cmake -S . -B "$build" -DORTBRIDGE_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DPython_EXECUTABLE="$(command -v "$PYTHON")" -Dpybind11_DIR="$($PYTHON -m pybind11 --cmakedir)" >/dev/null
-cmake --build "$build" --parallel
+cmake --build "$build" --parallel 2
 (cd "$build" && ctest --output-on-failure)
 
 $PYTHON -m pytest -q tests/python "$@"
