@@ -55,6 +55,7 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
     return Guarded(api_, error_prefix_, [&] {
       RequirePython();
       std::vector<TensorView> inputs;
+      inputs.reserve(layout_.input_tensor_types.size());
       for (size_t i = 0; i < layout_.input_tensor_types.size(); ++i) {
         inputs.push_back(ReadInput(api_, context, i, layout_.input_tensor_types[i], layout_.input_tensor_ranks[i]));
       }

@@ -23,6 +23,8 @@ _push_saved_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_saved_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 
 _functorch_active = torch._C._are_functorch_transforms_active
+# Whether a Function uses setup_context (then torch's apply binds its defaulted arguments).
+_uses_setup_context = getattr(torch.autograd.function, "_is_setup_context_defined", None)
 
 pinned_object = registry.pinned_object
 
@@ -32,10 +34,9 @@ def _direct_apply(func: type):
     arguments on: apply is not overridden and there is no setup_context (whose default arguments
     the wrapper binds). Saves about 2 us a call; None where it does not apply."""
     base_apply = torch._C._FunctionBase.__dict__.get("apply")
-    is_setup_context_defined = getattr(torch.autograd.function, "_is_setup_context_defined", None)
-    if (base_apply is None or is_setup_context_defined is None
+    if (base_apply is None or _uses_setup_context is None
             or getattr(func.apply, "__func__", None) is not torch.autograd.Function.apply.__func__
-            or is_setup_context_defined(func.setup_context)):
+            or _uses_setup_context(func.setup_context)):
         return None
     return base_apply.__get__(None, func)
 
@@ -73,7 +74,7 @@ def _forward_without_autograd(func: type, argument_count: int):
     needs_input_grad = (False,) * argument_count
     forward = func.forward
     setup_context = func.setup_context
-    if getattr(torch.autograd.function, "_is_setup_context_defined", lambda f: False)(setup_context):
+    if _uses_setup_context is not None and _uses_setup_context(setup_context):
         def call(*args):
             output = forward(*args)
             ctx = FunctionCtx()
@@ -199,9 +200,9 @@ class BackwardNode:
         self.argument_count = argument_count
         self.outputs = [position if wanted else None for position, wanted in zip(output_positions, requires_grad)]
         self.no_gradients = (None,) * len(self.outputs)
-        # With setup_context, torch's apply binds defaulted forward arguments, and backward returns
-        # a (None) value for each of them too.
-        self.binds_defaults = _direct_apply(self.func) is None
+        # torch's apply binds defaulted forward arguments of setup_context-style Functions, and
+        # backward returns a (None) value for each of them too.
+        self.binds_defaults = _uses_setup_context is None or _uses_setup_context(self.func.setup_context)
 
     def run(self, ctx, capsules: tuple, absent: dict | None) -> tuple:
         """One capsule per wanted gradient output, None elsewhere (the kernel writes zeros where a
