@@ -184,6 +184,22 @@ void ReadTuples(const AttributeSource& a, const char* values_name, const char* p
   if (positions.empty() && total != 0) Fail(values_name, "has values but no tuple positions");
 }
 
+// ortbridge extension: constants that ORT's typed attributes cannot hold (None, str, lists, mixed
+// or nested tuples, ...) as one JSON list. Its entries are counted and decoded in Python.
+void ReadLiterals(const AttributeSource& a, const std::string& conv, std::vector<bool>& taken, ForwardLayout& f) {
+  const char* name = "input_literals";
+  bool has_text = a.GetString(name, &f.literals) || !Absent(a, name, "STRING", false);
+  auto positions = Ints(a, "input_literal_positions", false);
+  if (has_text != !positions.empty()) {
+    Fail(has_text ? "input_literal_positions" : name,
+         "input_literals and input_literal_positions must be given together");
+  }
+  for (size_t i = 0; i < positions.size(); ++i) {
+    Claim("input_literal_positions", positions[i], conv, taken);
+    f.constants.push_back({Constant::Kind::kLiteral, static_cast<size_t>(positions[i]), {static_cast<int64_t>(i)}, {}});
+  }
+}
+
 }  // namespace
 
 ForwardLayout ParseForward(const AttributeSource& a, size_t input_count, size_t output_count) {
@@ -238,10 +254,11 @@ ForwardLayout ParseForward(const AttributeSource& a, size_t input_count, size_t 
              Constant::Kind::kIntTuple, conv, taken, f.constants);
   ReadTuples(a, "input_float_tuples", "input_float_tuple_positions", "input_float_tuple_begins",
              Constant::Kind::kFloatTuple, conv, taken, f.constants);
+  ReadLiterals(a, conv, taken, f);
   for (size_t i = 0; i < conv.size(); ++i) {
     if (conv[i] == 'c' && !taken[i]) {
-      Fail("input_convention", "constant argument " + std::to_string(i) + " has no value in any input_*_scalars or "
-                               "input_*_tuples attribute");
+      Fail("input_convention", "constant argument " + std::to_string(i) + " has no value in any input_*_scalars, "
+                               "input_*_tuples or input_literal_positions attribute");
     }
   }
   std::sort(f.constants.begin(), f.constants.end(),

@@ -31,10 +31,10 @@ class AttributeError : public std::runtime_error {
 
 // One non-tensor argument of Function.apply, fixed in the graph.
 struct Constant {
-  enum class Kind { kBool, kInt, kFloat, kBoolTuple, kIntTuple, kFloatTuple, kObject };
+  enum class Kind { kBool, kInt, kFloat, kBoolTuple, kIntTuple, kFloatTuple, kObject, kLiteral };
   Kind kind;
   size_t position;              // index among all apply arguments
-  std::vector<int64_t> ints;    // bool/int values, or the object key for kObject
+  std::vector<int64_t> ints;    // bool/int values, the object key (kObject), the index in literals (kLiteral)
   std::vector<double> floats;   // float values
 };
 
@@ -49,6 +49,7 @@ struct ForwardLayout {
   std::vector<int64_t> input_tensor_types;     // ONNX element types
   std::vector<int64_t> input_tensor_ranks;     // -1: unknown
   std::vector<Constant> constants;             // sorted by position
+  std::string literals;                        // input_literals: JSON list the kLiteral constants index
   std::vector<int64_t> output_tensor_types;    // per output after the context id
   std::vector<int64_t> output_tensor_ranks;
 };

@@ -31,6 +31,7 @@ py::object ConstantValue(const Constant& c) {
       return std::move(t);
     }
     case Constant::Kind::kObject: return Runner().attr("pinned_object")(c.ints[0]);
+    case Constant::Kind::kLiteral: break;  // decoded all at once, in MakeRunner
   }
   throw std::logic_error("unknown constant kind");
 }
@@ -121,7 +122,13 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
   py::object MakeRunner() const {
     py::list args;  // tensor slots stay None until a call fills them
     for (size_t i = 0; i < layout_.input_convention.size(); ++i) args.append(py::none());
-    for (const Constant& c : layout_.constants) args[c.position] = ConstantValue(c);
+    py::list literals;
+    size_t literal_count = std::count_if(layout_.constants.begin(), layout_.constants.end(),
+                                         [](const Constant& c) { return c.kind == Constant::Kind::kLiteral; });
+    if (literal_count) literals = Runner().attr("decode_literals")(layout_.literals, literal_count);
+    for (const Constant& c : layout_.constants) {
+      args[c.position] = c.kind == Constant::Kind::kLiteral ? literals[c.ints[0]] : ConstantValue(c);
+    }
     py::list positions, requires_grad;
     for (size_t i = 0; i < layout_.tensor_positions.size(); ++i) {
       positions.append(layout_.tensor_positions[i]);

@@ -4,11 +4,12 @@ A custom Function becomes one `ortbridge::PythonOp` node (and `PythonOpGrad` for
 backward); the kernel library runs it in this process's PyTorch, zero-copy on the inputs.
 """
 
-from .export import export
+from .convert import convert_from_ortmodule
+from .exporter import ExportError, export
 from .registry import UnknownFunctionError, pin_object, register, registered_names, unregister
 from .runtime import InferenceSession, context_pool_size, library_path, release_context, session_options
 
 __all__ = [
-    "InferenceSession", "UnknownFunctionError", "context_pool_size", "export", "library_path", "pin_object",
+    "ExportError", "InferenceSession", "UnknownFunctionError", "context_pool_size", "convert_from_ortmodule", "export", "library_path", "pin_object",
     "register", "registered_names", "release_context", "session_options", "unregister",
 ]

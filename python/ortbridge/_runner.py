@@ -13,7 +13,7 @@ import traceback
 import torch
 from torch.autograd.function import FunctionCtx
 
-from . import _dtypes, registry
+from . import _dtypes, _literals, registry
 
 _from_dlpack = getattr(torch._C, "_from_dlpack", torch.utils.dlpack.from_dlpack)
 _to_dlpack = torch.utils.dlpack.to_dlpack
@@ -27,6 +27,7 @@ _functorch_active = torch._C._are_functorch_transforms_active
 _uses_setup_context = getattr(torch.autograd.function, "_is_setup_context_defined", None)
 
 pinned_object = registry.pinned_object
+decode_literals = _literals.decode
 
 
 def _direct_apply(func: type):

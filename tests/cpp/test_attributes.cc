@@ -199,6 +199,49 @@ TEST_F(ForwardTest, ConstantsOfEveryKind) {
   }
 }
 
+TEST_F(ForwardTest, LiteralsIndexTheirJsonList) {
+  a.strings["input_convention"] = "cdcc";
+  inputs = 1;
+  a.int_lists["input_tensor_types"] = {1};
+  a.strings["input_literals"] = "[null, \"gelu\"]";
+  a.int_lists["input_literal_positions"] = {3, 0};
+  a.int_lists["input_int_scalars"] = {4};
+  a.int_lists["input_int_scalar_positions"] = {2};
+  ForwardLayout f = Parse();
+  EXPECT_EQ(f.literals, "[null, \"gelu\"]");  // decoded (and counted) in Python
+  ASSERT_EQ(f.constants.size(), 3u);
+  EXPECT_EQ(f.constants[0].kind, Constant::Kind::kLiteral);
+  EXPECT_EQ(f.constants[0].ints, (std::vector<int64_t>{1}));  // position 0 is entry 1
+  EXPECT_EQ(f.constants[1].kind, Constant::Kind::kInt);
+  EXPECT_EQ(f.constants[2].ints, (std::vector<int64_t>{0}));
+}
+
+TEST_F(ForwardTest, RejectsLiteralsWithoutPositions) {
+  UseConstantSlot();
+  a.strings["input_literals"] = "[1]";
+  EXPECT_TRUE(Fails("input_literal_positions", "given together"));
+}
+
+TEST_F(ForwardTest, RejectsLiteralPositionsWithoutText) {
+  UseConstantSlot();
+  a.int_lists["input_literal_positions"] = {1};
+  EXPECT_TRUE(Fails("input_literals", "given together"));
+}
+
+TEST_F(ForwardTest, RejectsLiteralOnTensorSlot) {
+  UseConstantSlot();
+  a.strings["input_literals"] = "[1]";
+  a.int_lists["input_literal_positions"] = {0};
+  EXPECT_TRUE(Fails("input_literal_positions", "tensor ('d') argument"));
+}
+
+TEST_F(ForwardTest, RejectsLiteralsOfWrongType) {
+  UseConstantSlot();
+  a.int_lists["input_literals"] = {1};
+  a.int_lists["input_literal_positions"] = {1};
+  EXPECT_TRUE(Fails("input_literals", "wrong type"));
+}
+
 TEST_F(ForwardTest, ConstantsOnly) {
   inputs = 0;
   a.strings["input_convention"] = "c";

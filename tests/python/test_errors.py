@@ -207,6 +207,24 @@ def test_unknown_pointer_constant_is_refused():
         session(model([node], [value("x", TP.FLOAT, [3])], [value("y")]))
 
 
+@pytest.mark.parametrize("text, error", [
+    ('[1, 2]', "holds 2 values, but input_literal_positions names 1"),
+    ('{"tuple": [1]}', "holds tuple"),
+    ('[1', "not a valid literal list"),
+    ('[{"call": "os.system"}]', "unknown literal"),
+    ('[{"dtype": "Tensor"}]', "unknown literal"),
+    ('[' * 100000 + ']' * 100000, "not a valid literal list"),
+], ids=["count", "not-a-list", "syntax", "unknown-tag", "not-a-dtype", "deep-nesting"])
+def test_malformed_literals_are_refused_at_session_creation(text, error):
+    from onnx import helper
+    node = helper.make_node("PythonOp", ["x"], ["ctx", "y"], domain="ortbridge", name="lit",
+                            func_name="test_errors.Faulty", input_convention="dc", input_tensor_types=[1],
+                            input_literals=text, input_literal_positions=[1],
+                            output_tensor_types=[1], output_tensor_ranks=[1])
+    with pytest.raises(ORT_ERRORS, match=f"(?s)node 'lit'.*{re.escape(error)}"):
+        session(model([node], [value("x", TP.FLOAT, [3])], [value("y")]))
+
+
 def test_failed_run_releases_the_contexts_it_created(faulty):
     # The forward keeps a context, then a later node fails before the backward could use it.
     fw = python_op(Faulty, [T("x", requires_grad=True)], [(TP.FLOAT, 1)], out_names=["y"], training=True)

@@ -3,6 +3,7 @@
 import sys
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from onnx import TensorProto as TP
@@ -28,9 +29,15 @@ class Derived(Base):  # an indirect subclass of Function (ORTModule rejected the
         return x + 2
 
 
-def run_one(func_name, x=np.zeros(2, np.float32)):
+def run_one(func_name, x=np.zeros(2, np.float32), from_ortmodule=False):
     node = python_op(func_name, [T("x")], [(TP.FLOAT, 1)], out_names=["y"])
-    return session(model([node], [value("x", shape=[2])], [value("y")])).run(None, {"x": x})[0]
+    graph = model([node], [value("x", shape=[2])], [value("y")])
+    if from_ortmodule:  # the same node as ORTModule writes it, converted
+        proto = onnx.load_from_string(graph)
+        proto.graph.node[0].domain = "com.microsoft"
+        proto.opset_import[1].domain = "com.microsoft"
+        graph = ortbridge.convert_from_ortmodule(proto).SerializeToString()
+    return session(graph).run(None, {"x": x})[0]
 
 
 def test_register_forms_and_names():
@@ -82,9 +89,10 @@ def test_register_rejects_what_is_not_a_function():
 SIDE_EFFECT_MODULE = "ortbridge_test_side_effect"
 
 
+@pytest.mark.parametrize("from_ortmodule", [False, True], ids=["ortbridge-graph", "converted-ortmodule-graph"])
 @pytest.mark.parametrize("func_name", ["os.system", "builtins.eval", "subprocess.Popen",
                                        f"{SIDE_EFFECT_MODULE}.Payload", "torch.autograd.Function"])
-def test_unregistered_names_are_refused_and_nothing_is_imported(func_name, tmp_path, monkeypatch):
+def test_unregistered_names_are_refused_and_nothing_is_imported(func_name, from_ortmodule, tmp_path, monkeypatch):
     marker = tmp_path / "imported"
     (tmp_path / f"{SIDE_EFFECT_MODULE}.py").write_text(
         f"open({str(marker)!r}, 'w').write('side effect')\n"
@@ -92,7 +100,7 @@ def test_unregistered_names_are_refused_and_nothing_is_imported(func_name, tmp_p
     monkeypatch.syspath_prepend(str(tmp_path))
     modules_before = set(sys.modules)
     with pytest.raises(RuntimeException, match=f"func_name '{func_name}' is not registered"):
-        run_one(func_name)
+        run_one(func_name, from_ortmodule=from_ortmodule)
     assert not marker.exists(), "the model made a module import"
     assert SIDE_EFFECT_MODULE not in sys.modules
     assert set(sys.modules) - modules_before == set()

@@ -1,0 +1,109 @@
+"""torch model -> ONNX model in which each call of an exported autograd.Function is one
+ortbridge::PythonOp node and everything else is ordinary ONNX.
+
+One eager run of the model on the example inputs records every call (arguments, output dtypes
+and shapes); then torch's exporter runs with each exported Function made opaque: the dynamo
+path (default) or the deprecated TorchScript path, both writing the same nodes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+
+import onnx
+import torch
+
+from . import dynamo as _dynamo, torchscript as _torchscript
+from .calls import DOMAIN, ExportError, Recorder
+
+
+def export(model: torch.nn.Module, args, f=None, *, kwargs: dict | None = None, dynamic_shapes=None,
+           dynamo: bool = True, training: bool = False, all_functions: bool = False,
+           allow_object_references: bool = False, opset_version: int | None = None) -> onnx.ModelProto:
+    """Export `model(*args, **kwargs)` to ONNX; save it to `f` (a path) if given, and return it.
+
+    Functions registered with ortbridge.register become PythonOp nodes (`all_functions=True`:
+    every Function the model calls, registering those not yet registered); others are traced
+    through by torch. `dynamic_shapes` as in torch.export (per forward parameter: {dim: Dim or
+    name}). `training=True` exports the model in train mode with nodes that keep their autograd
+    context, each context id a graph output (for a PythonOpGrad graph, or release_context).
+    Arguments held by reference (objects other than plain values) are valid only in this
+    process: saving such a model needs `allow_object_references=True`.
+    """
+    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+    kwargs = kwargs or {}
+    recorder = Recorder(all_functions, training)
+    was_training = model.training
+    model.train(training)
+    try:
+        recorder.run(model, args, kwargs)
+        if f is not None and not allow_object_references:
+            _refuse_object_references(recorder.calls)
+        exporter = "torch.onnx.export(dynamo=True)" if dynamo else "torch.onnx.export(dynamo=False)"
+        try:
+            with _quiet_exporter():
+                if dynamo:
+                    proto = _dynamo.export(model, args, kwargs, dynamic_shapes, recorder.calls, opset_version)
+                else:
+                    proto = _torchscript.export(model, args, kwargs, dynamic_shapes, recorder.calls, opset_version,
+                                                training)
+        except Exception as e:
+            if recorder.traced_through and not isinstance(e, ExportError):
+                e.add_note(f"ortbridge: {exporter} traced through these Functions, which are not registered: "
+                           f"{', '.join(sorted(recorder.traced_through))}. If one of them cannot be traced, register "
+                           "it with ortbridge.register (or pass all_functions=True) to export it as a PythonOp.")
+            raise
+    finally:
+        model.train(was_training)
+    _name_nodes(proto.graph)
+    if training:
+        _expose_contexts(proto.graph)
+    if f is not None:
+        onnx.save(proto, str(f))
+    return proto
+
+
+def _refuse_object_references(calls) -> None:
+    for call in calls:
+        for position, type_name in call.arguments.objects:
+            raise ExportError(
+                f"argument {position} of {call.name}.apply is a {type_name} object, which the model can only hold "
+                "by reference, valid in this process alone, so the saved file would not run elsewhere. Pass a "
+                "plain value instead (None, bool, int, float, str, torch.dtype, torch.device, or lists, tuples "
+                "and str-keyed dicts of those), or allow_object_references=True to save it anyway.")
+
+
+def _name_nodes(graph: onnx.GraphProto) -> None:
+    """Give each PythonOp node a readable, unique name: PythonOp_<Function>_<k>."""
+    for k, node in enumerate(n for n in graph.node if n.domain == DOMAIN):
+        func = next(a.s.decode() for a in node.attribute if a.name == "func_name")
+        node.name = f"{node.op_type}_{func.rsplit('.', 1)[-1]}_{k}"
+
+
+def _expose_contexts(graph: onnx.GraphProto) -> None:
+    """In a training export each PythonOp keeps its autograd context: its id becomes a graph
+    output, so the caller can hand it to PythonOpGrad or release it."""
+    for node in graph.node:
+        if node.domain == DOMAIN and node.op_type == "PythonOp":
+            graph.output.append(onnx.helper.make_tensor_value_info(node.output[0], onnx.TensorProto.INT64, []))
+
+
+@contextlib.contextmanager
+def _quiet_exporter():
+    """torch's exporter logs warnings about optional packages that do not concern the user."""
+    logger = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            # training=True asks for train mode; torch's advice to call eval() does not apply.
+            warnings.filterwarnings("ignore", "Exporting a model while it is in training mode", UserWarning)
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+__all__ = ["ExportError", "export"]

@@ -1,0 +1,117 @@
+"""The TorchScript path: torch.onnx.export(dynamo=False), deprecated in torch but still there.
+
+The tracer records each Function call as a prim::PythonOp. While exporting, each exported
+Function has a `symbolic` that writes the same ortbridge::PythonOp node as the dynamo path, from
+the call recorded in the eager run (the tracer makes the same calls, in the same order).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import io
+import warnings
+
+import onnx
+import torch
+
+from .calls import DOMAIN, Call, ExportError, class_attributes_set
+
+
+def _onnx_attribute_kwargs(attrs: dict) -> dict:
+    """g.op's spelling of attribute types: name_s (string), name_i (int[s]), name_f (floats)."""
+    out = {}
+    for key, value in attrs.items():
+        if isinstance(value, str):
+            out[f"{key}_s"] = value
+        elif isinstance(value, list) and value and isinstance(value[0], float):
+            out[f"{key}_f"] = value
+        else:
+            out[f"{key}_i"] = value
+    return out
+
+
+class _Symbolics:
+    """The `symbolic` of every exported Function: each call takes the next recorded call."""
+
+    def __init__(self, calls: list[Call]):
+        self.calls = calls
+        self.done = 0
+
+    def for_function(self, func: type):
+        return staticmethod(lambda g, *args: self.emit(g, func, args))
+
+    def emit(self, g, func, args):
+        values = [a for a in args if isinstance(a, torch._C.Value)]
+        call = self.calls[self.done] if self.done < len(self.calls) else None
+        if call is None or call.func is not func or len(values) != len(call.input_shapes):
+            raise ExportError(f"the TorchScript trace called {func.__qualname__} where the eager run of the example "
+                              "inputs did not; the model must call its Functions the same way on every run.")
+        self.done += 1
+        outputs = g.op(f"{DOMAIN}::PythonOp", *values, outputs=1 + len(call.output_dtypes),
+                       **_onnx_attribute_kwargs(call.attrs))
+        outputs[0].setType(torch._C.TensorType.create_from_tensor(torch.zeros((), dtype=torch.int64)))
+        traced = [v.type().varyingSizes() for v in values]  # None where dynamic_axes made a dim dynamic
+        for value, dtype, shape in zip(outputs[1:], call.output_dtypes, call.output_shapes_for(traced)):
+            value.setType(torch._C.TensorType.create_from_tensor(torch.empty(0, dtype=dtype)).with_sizes(shape))
+        return tuple(outputs[1:]) if len(outputs) > 2 else outputs[1]
+
+
+def _untraced(forward):
+    """forward with the tracer off: the tracer would record its body into the prim::PythonOp
+    node, which the symbolic discards anyway, and some bodies break torch's graph passes. (Only
+    with grad off: torch's apply cannot trace an untraced output that requires grad.)"""
+    @functools.wraps(forward)  # keeps its signature, which torch's apply binds arguments to
+    def run(*args, **kwargs):
+        state = torch._C._get_tracing_state()
+        torch._C._set_tracing_state(None)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            torch._C._set_tracing_state(state)
+    return staticmethod(run)
+
+
+def _opaque_functions(symbolics: _Symbolics, training: bool):
+    changes = []
+    for func in {call.func for call in symbolics.calls}:
+        changes.append((func, "symbolic", symbolics.for_function(func)))
+        if not training:
+            changes.append((func, "forward", _untraced(func.forward)))
+    return class_attributes_set(changes)
+
+
+def _dynamic_axes(model, args: tuple, kwargs: dict, dynamic_shapes):
+    """torch.export-style dynamic_shapes (per forward parameter: {dim: Dim or name}) as the
+    TorchScript exporter's input_names and dynamic_axes."""
+    if dynamic_shapes is None:
+        return None, None
+    bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    if not all(isinstance(v, torch.Tensor) for v in bound.values()):
+        raise ExportError("dynamic_shapes with dynamo=False needs a model whose forward takes tensors only; "
+                          "use the default dynamo=True exporter.")
+    specs = dynamic_shapes.items() if isinstance(dynamic_shapes, dict) else zip(bound, dynamic_shapes)
+    axes = {}
+    for name, spec in specs:
+        dims = spec.items() if isinstance(spec, dict) else enumerate(spec or ())
+        named = {int(d): dim if isinstance(dim, str) else getattr(dim, "__name__", f"{name}_dim_{d}")
+                 for d, dim in dims if dim is not None}
+        if named:
+            axes[name] = named
+    return list(bound), axes
+
+
+def export(model, args: tuple, kwargs: dict, dynamic_shapes, calls: list[Call], opset_version, training: bool):
+    input_names, dynamic_axes = _dynamic_axes(model, args, kwargs, dynamic_shapes)
+    symbolics = _Symbolics(calls)
+    buffer = io.BytesIO()
+    mode = torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL
+    with _opaque_functions(symbolics, training), warnings.catch_warnings(), torch.set_grad_enabled(training):
+        warnings.simplefilter("ignore", DeprecationWarning)  # of this path, which the user chose
+        torch.onnx.export(model, args, buffer, kwargs=kwargs, dynamo=False, opset_version=opset_version,
+                          input_names=input_names, dynamic_axes=dynamic_axes, custom_opsets={DOMAIN: 1},
+                          training=mode, do_constant_folding=not training)
+    if symbolics.done != len(calls):
+        raise ExportError(f"the TorchScript trace made {symbolics.done} of the {len(calls)} Function calls of the "
+                          "eager run; the model must call its Functions the same way on every run.")
+    return onnx.load_from_string(buffer.getvalue())
