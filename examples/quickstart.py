@@ -36,9 +36,10 @@ class Model(torch.nn.Module):
 def main():
     torch.manual_seed(0)
     model = Model().eval()
-    x = torch.randn(4, 8)
-    ortbridge.export(model, (x,), "quickstart.onnx")
+    # Exported once with a dynamic batch dim, run below at another batch size.
+    ortbridge.export(model, (torch.randn(4, 8),), "quickstart.onnx", dynamic_shapes=({0: "batch"},))
     session = ortbridge.InferenceSession("quickstart.onnx")
+    x = torch.randn(7, 8)
     (ort_out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
     with torch.no_grad():
         eager_out = model(x).numpy()

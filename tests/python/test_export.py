@@ -144,9 +144,14 @@ def test_every_constant_kind_reaches_forward_as_in_eager(dynamo):
     assert "input_pointer_scalars" not in attrs  # all plain values: the model file is self-contained
 
 
-@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-                                   torch.float16, torch.bfloat16, torch.float32, torch.float64])
-@pytest.mark.parametrize("dynamo", EXPORTERS)
+DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+          torch.float32, torch.float64]
+UNSIGNED_WIDE = [torch.uint16, torch.uint32, torch.uint64]  # TorchScript's type table lacks them
+
+
+@pytest.mark.parametrize("dtype, dynamo", [(d, True) for d in DTYPES + UNSIGNED_WIDE] + [(d, False) for d in DTYPES],
+                         ids=lambda v: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else
+                         ("dynamo" if v else "torchscript"))
 def test_tensor_dtypes(dtype, dynamo):
     @ortbridge.register
     class Twice(torch.autograd.Function):
@@ -160,7 +165,7 @@ def test_tensor_dtypes(dtype, dynamo):
 
     class M(torch.nn.Module):
         def forward(self, x):
-            a, b = Twice.apply((x * 3).to(dtype))
+            a, b = Twice.apply((x * 3).trunc().abs().to(dtype))  # some zeros: False as bool
             return a.to(torch.float32), b.to(torch.float32)
 
     try:
@@ -425,7 +430,8 @@ class WrongBackward(torch.autograd.Function):
         return g  # forward takes two arguments: needs (g, None)
 
 
-def test_training_export_keeps_contexts_as_graph_outputs():
+@pytest.mark.parametrize("dynamo", EXPORTERS)
+def test_training_export_keeps_contexts_as_graph_outputs(dynamo):
     class M(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -435,7 +441,8 @@ def test_training_export_keeps_contexts_as_graph_outputs():
             return WrongBackward.apply(x * self.w, 2.0)
 
     model, x = M(), torch.randn(3)
-    proto = ortbridge.export(model, (x,), training=True)
+    proto = ortbridge.export(model, (x,), training=True, dynamo=dynamo)
+    assert model.training
     (node,) = nodes(proto)
     attrs = attributes(node)
     assert attrs["training_mode"] == 1 and attrs["input_requires_grads"] == [1, 0]

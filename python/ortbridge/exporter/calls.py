@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import struct
+import threading
 
 import onnx
 import torch
@@ -247,13 +248,17 @@ def class_attributes_set(changes: list):
 
 def apply_replaced(classes, hook):
     """Route `cls.apply(*args, **kwargs)` of each class, and of subclasses that inherit its apply,
-    to `hook(cls, original_apply_bound_to_cls, args, kwargs)`."""
+    to `hook(cls, original_apply_bound_to_cls, args, kwargs)`: on this thread only; other threads
+    keep calling the original."""
     changes = []
+    thread = threading.get_ident()
     for owner in classes:
         own = owner.__dict__.get("apply")
 
         def apply(cls, *args, _owner=owner, _own=own, **kwargs):
             original = _own.__get__(None, cls) if _own is not None else super(_owner, cls).apply
+            if threading.get_ident() != thread:
+                return original(*args, **kwargs)
             return hook(cls, original, args, kwargs)
 
         changes.append((owner, "apply", classmethod(apply)))
