@@ -67,7 +67,7 @@ def export(model: torch.nn.Module, args, f=None, *, kwargs: dict | None = None, 
 
 def _refuse_object_references(calls) -> None:
     for call in calls:
-        for position, type_name in call.arguments.objects:
+        for position, type_name in call.objects:
             raise ExportError(
                 f"argument {position} of {call.name}.apply is a {type_name} object, which the model can only hold "
                 "by reference, valid in this process alone, so the saved file would not run elsewhere. Pass a "

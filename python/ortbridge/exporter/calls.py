@@ -142,9 +142,10 @@ class Call:
 
     def __init__(self, func: type, name: str, args: tuple, result, training: bool):
         self.func = func
-        self.arguments = Arguments(name, args)
-        self.input_shapes = [tuple(t.shape) for t in self.arguments.tensors]
-        self.key = self.arguments.key(self.input_shapes)
+        arguments = Arguments(name, args)
+        self.objects = arguments.objects
+        self.input_shapes = [tuple(t.shape) for t in arguments.tensors]
+        self.key = arguments.key(self.input_shapes)
         self.returns_tuple = isinstance(result, tuple)
         outputs = result if self.returns_tuple else (result,)
         for i, o in enumerate(outputs):
@@ -153,12 +154,10 @@ class Call:
                                   "tensor. Return tensors only (keep other values on ctx or outside the Function).")
         self.output_dtypes = [o.dtype for o in outputs]
         self.output_shapes = [tuple(o.shape) for o in outputs]
-        attrs = dict(self.arguments.attrs, output_tensor_types=[_dtypes.onnx_type(d) for d in self.output_dtypes],
-                     output_tensor_ranks=[len(s) for s in self.output_shapes], training_mode=int(training))
+        self.attrs = dict(arguments.attrs, output_tensor_types=[_dtypes.onnx_type(d) for d in self.output_dtypes],
+                          output_tensor_ranks=[len(s) for s in self.output_shapes], training_mode=int(training))
         if training:
-            attrs["input_requires_grads"] = [int(isinstance(a, torch.Tensor) and a.requires_grad) for a in args]
-        self.attrs = attrs
-        self.arguments.tensors = None  # keep no tensor of the eager run alive
+            self.attrs["input_requires_grads"] = [int(isinstance(a, torch.Tensor) and a.requires_grad) for a in args]
 
     @property
     def name(self) -> str:
@@ -168,10 +167,10 @@ class Call:
         """Output shapes for the graph, from the traced input dims (an int where static; a
         symbol where dynamic: a SymInt, or None in TorchScript). The Function's own
         `infer_shape(node, tensor_input_shapes, tensor_input_dtypes) -> (shapes, dtypes)` (ORT's
-        signature) decides when it has one (and no dim is None); otherwise an output dim whose size in the eager run
-        equals a dynamic input dim's example size takes that dim's symbol."""
+        signature) decides when it has one and no dim is None; otherwise an output dim whose size
+        in the eager run equals a dynamic input dim's example size takes that dim's symbol."""
         infer = getattr(self.func, "infer_shape", None)
-        if infer is not None and None not in (d for dims in traced_inputs for d in dims):
+        if infer is not None and not any(d is None for dims in traced_inputs for d in dims):
             node = onnx.helper.make_node("PythonOp", [], [], domain=DOMAIN, **self.attrs)
             shapes, _ = infer(node, [list(s) for s in traced_inputs], self.attrs["input_tensor_types"])
             shapes = [list(s) for s in shapes]
