@@ -217,7 +217,7 @@ ForwardLayout ParseForward(const AttributeSource& a, size_t input_count, size_t 
   size_t tensors = std::count(conv.begin(), conv.end(), 'd');
   CheckSize("input_convention", tensors, input_count, "its 'd' entries must match the node's tensor inputs");
 
-  f.input_tensor_types = Ints(a, "input_tensor_types", true);
+  f.input_tensor_types = Ints(a, "input_tensor_types", input_count > 0);  // may be left off with no inputs
   CheckSize("input_tensor_types", f.input_tensor_types.size(), input_count, "one per tensor input");
   CheckTypes("input_tensor_types", f.input_tensor_types);
   f.input_tensor_ranks = Ranks(a, "input_tensor_ranks", input_count, "one per tensor input", false);

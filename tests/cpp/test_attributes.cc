@@ -254,6 +254,18 @@ TEST_F(ForwardTest, ConstantsOnly) {
   EXPECT_EQ(f.constants[0].ints, (std::vector<int64_t>{3}));
 }
 
+TEST_F(ForwardTest, InputTypesMayBeLeftOffOnlyWithoutInputs) {
+  inputs = 0;
+  a.strings["input_convention"] = "c";
+  a.int_lists.erase("input_tensor_types");
+  a.int_lists["input_int_scalars"] = {3};
+  a.int_lists["input_int_scalar_positions"] = {0};
+  EXPECT_TRUE(Parse().input_tensor_types.empty());
+  inputs = 1;
+  a.strings["input_convention"] = "cd";
+  EXPECT_TRUE(Fails("input_tensor_types", "required"));
+}
+
 TEST_F(ForwardTest, FloatScalarsWithoutF64AreFloat32) {
   UseConstantSlot();
   a.float_lists["input_float_scalars"] = {0.1f};

@@ -233,6 +233,32 @@ def test_objects_pass_by_reference_in_process_and_saving_needs_opt_in(dynamo, tm
     assert_same(run(onnx.load(path), x), eager(model, x))
 
 
+@ortbridge.register
+class Filled(torch.autograd.Function):
+    """No tensor argument at all."""
+
+    @staticmethod
+    def forward(ctx, n, value):
+        return torch.full((n,), value)
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, None
+
+
+@pytest.mark.parametrize("dynamo", EXPORTERS)
+def test_function_without_tensor_arguments(dynamo):
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return x + Filled.apply(3, 0.5)
+
+    x = torch.randn(3)
+    proto = ortbridge.export(M(), (x,), dynamo=dynamo)
+    (node,) = nodes(proto)  # a node of its own, not a constant folded from forward's result
+    assert list(node.input) == [] and attributes(node)["input_convention"] == b"cc"
+    assert_same(run(proto, x), eager(M(), x))
+
+
 # -- outputs and shapes -------------------------------------------------------------------------
 
 @ortbridge.register
@@ -308,9 +334,10 @@ def test_symbolic_dims_survive_and_infer_shape_gives_exact_shapes(dynamo):
         assert_same(run(proto, x), eager(M(), x))
 
 
+@pytest.mark.parametrize("example_batch", [5, 1])
 @pytest.mark.parametrize("dynamo", EXPORTERS)
-def test_dynamic_batch_exported_once_runs_at_several_sizes(dynamo):
-    net, x = user_model.example(batch=5)
+def test_dynamic_batch_exported_once_runs_at_several_sizes(dynamo, example_batch):
+    net, x = user_model.example(batch=example_batch)
     proto = ortbridge.export(net, (x,), dynamic_shapes={"x": {0: torch.export.Dim("batch")}}, dynamo=dynamo)
     assert dims(proto.graph.input[0]) == ["batch", 6]
     for n in (1, 2, 7, 33):
@@ -475,6 +502,18 @@ def test_tensor_inside_a_constant_is_refused_with_what_to_do(dynamo):
     with pytest.raises(ortbridge.ExportError, match=r"argument 1 of test_export.Probe.apply is a list that holds "
                                                     r"tensors.*Pass each tensor as its own argument"):
         ortbridge.export(M(), (torch.randn(2),), dynamo=dynamo)
+
+
+def test_model_calling_differently_during_export_gets_our_error_not_torchs_fallback():
+    class M(torch.nn.Module):
+        calls = 0
+
+        def forward(self, x):
+            M.calls += 1  # the eager run and the export trace pass different constants
+            return Filled.apply(2, float(M.calls)) + x
+
+    with pytest.raises(ortbridge.ExportError, match="called during export with arguments it was not called with"):
+        ortbridge.export(M(), (torch.randn(2),))
 
 
 @ortbridge.register

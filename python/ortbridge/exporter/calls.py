@@ -110,9 +110,10 @@ class Arguments:
                 values.append(registry.pin_object(arg))
                 positions.append(position)
                 self.objects.append((position, type(arg).__name__))
-        attrs = {"func_name": name, "input_convention": "".join(convention),
-                 "input_tensor_types": [_dtypes.onnx_type(t.dtype) for t in self.tensors],
-                 "input_tensor_ranks": [t.dim() for t in self.tensors]}
+        attrs = {"func_name": name, "input_convention": "".join(convention)}
+        if self.tensors:  # (an attribute cannot be an empty list in torch's exporter)
+            attrs["input_tensor_types"] = [_dtypes.onnx_type(t.dtype) for t in self.tensors]
+            attrs["input_tensor_ranks"] = [t.dim() for t in self.tensors]
         for kind, (values, positions) in scalars.items():
             if values:
                 attrs[f"input_{kind}_scalars"] = [float(v) if kind == "float" else int(v) for v in values]
@@ -172,7 +173,7 @@ class Call:
         infer = getattr(self.func, "infer_shape", None)
         if infer is not None and not any(d is None for dims in traced_inputs for d in dims):
             node = onnx.helper.make_node("PythonOp", [], [], domain=DOMAIN, **self.attrs)
-            shapes, _ = infer(node, [list(s) for s in traced_inputs], self.attrs["input_tensor_types"])
+            shapes, _ = infer(node, [list(s) for s in traced_inputs], self.attrs.get("input_tensor_types", []))
             shapes = [list(s) for s in shapes]
             if [len(s) for s in shapes] != [len(s) for s in self.output_shapes]:
                 raise ExportError(f"{self.name}.infer_shape returned shapes of ranks {[len(s) for s in shapes]}, "

@@ -1,6 +1,6 @@
-"""The torch.export-based path: torch.onnx.export(dynamo=True).
+"""The torch.export-based path: torch.export.export(strict=False), then torch.onnx.export.
 
-That exporter traces through a Function's forward and drops its backward. While it runs, each
+torch.export traces through a Function's forward and drops its backward. While it runs, each
 exported Function's `apply` emits `torch.onnx.ops.symbolic_multi_out("ortbridge::PythonOp")`
 instead, an opaque node with the call's attributes and (symbolic) output shapes, so forward is
 never traced: numpy, `.item()` and data-dependent branches inside it do not matter.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .. import registry
+from . import dims
 from .calls import DOMAIN, Arguments, Call, ExportError, apply_replaced, bind
 
 
@@ -42,7 +43,14 @@ class _Emitter:
 
 
 def export(model, args: tuple, kwargs: dict, dynamic_shapes, calls: list[Call], opset_version):
-    with apply_replaced({call.func for call in calls}, _Emitter(calls)):
-        program = torch.onnx.export(model, args, kwargs=kwargs, dynamic_shapes=dynamic_shapes, dynamo=True,
-                                    opset_version=opset_version, verbose=False)
-    return program.model_proto
+    # Capture with torch.export ourselves, non-strict only: torch.onnx.export would retry a failed
+    # capture in strict mode, where dynamo inlines Function.apply without calling ours.
+    # Like torch.onnx.export: a dynamic dim may have an example size of 0 or 1.
+    with apply_replaced({call.func for call in calls}, _Emitter(calls)), \
+            torch.fx.experimental._config.patch(backed_size_oblivious=True):
+        program = torch.export.export(model, args, kwargs=kwargs, strict=False,
+                                      dynamic_shapes=dims.for_torch_export(dynamic_shapes))
+    proto = torch.onnx.export(program, args, kwargs=kwargs, dynamo=True, opset_version=opset_version,
+                              verbose=False).model_proto
+    dims.rename(proto, dims.names(model, args, kwargs, dynamic_shapes))
+    return proto

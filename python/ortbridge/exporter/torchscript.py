@@ -15,6 +15,7 @@ import warnings
 import onnx
 import torch
 
+from . import dims
 from .calls import DOMAIN, Call, ExportError, class_attributes_set
 
 
@@ -82,23 +83,14 @@ def _opaque_functions(symbolics: _Symbolics, training: bool):
 
 
 def _dynamic_axes(model, args: tuple, kwargs: dict, dynamic_shapes):
-    """torch.export-style dynamic_shapes (per forward parameter: {dim: Dim or name}) as the
-    TorchScript exporter's input_names and dynamic_axes."""
+    """torch.export-style dynamic_shapes as the TorchScript exporter's input_names and dynamic_axes."""
     if dynamic_shapes is None:
         return None, None
     bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
     if not all(isinstance(v, torch.Tensor) for v in bound.values()):
         raise ExportError("dynamic_shapes with dynamo=False needs a model whose forward takes tensors only; "
                           "use the default dynamo=True exporter.")
-    specs = dynamic_shapes.items() if isinstance(dynamic_shapes, dict) else zip(bound, dynamic_shapes)
-    axes = {}
-    for name, spec in specs:
-        dims = spec.items() if isinstance(spec, dict) else enumerate(spec or ())
-        named = {int(d): dim if isinstance(dim, str) else getattr(dim, "__name__", f"{name}_dim_{d}")
-                 for d, dim in dims if dim is not None}
-        if named:
-            axes[name] = named
-    return list(bound), axes
+    return list(bound), dims.names(model, args, kwargs, dynamic_shapes)
 
 
 def export(model, args: tuple, kwargs: dict, dynamic_shapes, calls: list[Call], opset_version, training: bool):
