@@ -41,7 +41,7 @@ def export(model: torch.nn.Module, args, f=None, *, kwargs: dict | None = None, 
         recorder.run(model, args, kwargs)
         if f is not None and not allow_object_references:
             _refuse_object_references(recorder.calls)
-        exporter = "torch.onnx.export(dynamo=True)" if dynamo else "torch.onnx.export(dynamo=False)"
+        exporter = "torch.export" if dynamo else "torch's TorchScript exporter"
         try:
             with _quiet_exporter():
                 if dynamo:
