@@ -516,6 +516,18 @@ def test_model_calling_differently_during_export_gets_our_error_not_torchs_fallb
         ortbridge.export(M(), (torch.randn(2),))
 
 
+def test_constant_from_a_dynamic_dim_is_refused_with_what_to_do():
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return Probe.apply(x, x.shape[0])
+
+    x = torch.randn(4, 2)
+    assert nodes(ortbridge.export(M(), (x,)))  # a static shape: the size is a constant
+    with pytest.raises(ortbridge.ExportError, match=r"argument 1 of test_export.Probe.apply depends on a dynamic dim"
+                                                    r".*Compute it inside forward"):
+        ortbridge.export(M(), (x,), dynamic_shapes=({0: "batch"},))
+
+
 @ortbridge.register
 class ReturnsInt(torch.autograd.Function):
     @staticmethod

@@ -57,13 +57,16 @@ def _tuple_kind(value) -> str | None:
     return kinds.pop() if len(kinds) == 1 and None not in kinds else None
 
 
-def _contains_tensor(value) -> bool:
-    if isinstance(value, torch.Tensor):
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _contains(value, types) -> bool:
+    if isinstance(value, types):
         return True
     if isinstance(value, (list, tuple)):
-        return any(_contains_tensor(v) for v in value)
+        return any(_contains(v, types) for v in value)
     if isinstance(value, dict):
-        return any(_contains_tensor(v) for v in value.values())
+        return any(_contains(v, types) for v in value.values())
     return False
 
 
@@ -89,6 +92,10 @@ class Arguments:
                 self.tensors.append(arg)
                 continue
             convention.append("c")
+            if _contains(arg, _SYMBOLIC):
+                raise ExportError(
+                    f"argument {position} of {name}.apply depends on a dynamic dim, but a constant argument is fixed "
+                    "in the graph. Compute it inside forward from the tensors, or pass it as a tensor.")
             if _scalar_kind(arg):
                 values, positions = scalars[_scalar_kind(arg)]
                 values.append(arg)
@@ -101,7 +108,7 @@ class Arguments:
             elif _literals.encodable(arg):
                 literals.append(arg)
                 literal_positions.append(position)
-            elif _contains_tensor(arg):
+            elif _contains(arg, torch.Tensor):
                 raise ExportError(
                     f"argument {position} of {name}.apply is a {type(arg).__name__} that holds tensors; a node "
                     "input must be a tensor itself. Pass each tensor as its own argument to apply.")
