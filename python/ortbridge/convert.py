@@ -31,15 +31,21 @@ def convert_from_ortmodule(model) -> onnx.ModelProto:
         proto = onnx.load(model)
     else:
         raise TypeError(f"convert_from_ortmodule takes a ModelProto, bytes or a path, not {type(model).__name__}")
-    graphs = [proto.graph, *(f for f in proto.functions)]
-    converted = sum(_convert_nodes(g.node) for g in graphs)
-    still_ort = any(n.domain == _ORT_DOMAIN for g in graphs for n in _all_nodes(g.node))
-    imports = [o for o in proto.opset_import if o.domain not in (DOMAIN, *(() if still_ort else (_ORT_DOMAIN,)))]
-    if converted or any(o.domain == DOMAIN for o in proto.opset_import):
-        imports.append(onnx.helper.make_opsetid(DOMAIN, 1))
-    del proto.opset_import[:]
-    proto.opset_import.extend(imports)
+    for nodes, imports in [(proto.graph.node, proto.opset_import),
+                           *((f.node, f.opset_import) for f in proto.functions)]:  # each has its own imports
+        converted = _convert_nodes(nodes)
+        _retarget_imports(imports, converted, still_ort=any(n.domain == _ORT_DOMAIN for n in _all_nodes(nodes)))
     return proto
+
+
+def _retarget_imports(imports, converted: int, still_ort: bool) -> None:
+    """Import ortbridge where it is used; drop com.microsoft where nothing uses it any more."""
+    uses_ortbridge = converted > 0 or any(o.domain == DOMAIN for o in imports)
+    kept = [o for o in imports if o.domain != DOMAIN and (still_ort or o.domain != _ORT_DOMAIN)]
+    if uses_ortbridge:
+        kept.append(onnx.helper.make_opsetid(DOMAIN, 1))
+    del imports[:]
+    imports.extend(kept)
 
 
 def _all_nodes(nodes):

@@ -86,6 +86,38 @@ def test_conversion_reads_paths_and_bytes(tmp_path):
     assert from_path == ortbridge.convert_from_ortmodule(str(path))
 
 
+def test_nodes_inside_subgraphs_are_converted():
+    inner = ortmodule_graph(["gy", "gz"])
+    then_branch = helper.make_graph(list(inner.graph.node), "then", [], [value(n) for n in ("y", "z", "gx", "gw")])
+    else_branch = helper.make_graph(
+        [helper.make_node("Identity", [n], [f"{n}_else"]) for n in ("x", "w", "gy", "gz")], "else", [],
+        [value(f"{n}_else") for n in ("x", "w", "gy", "gz")])
+    node = helper.make_node("If", ["flag"], ["y", "z", "gx", "gw"], then_branch=then_branch, else_branch=else_branch)
+    graph = helper.make_graph([node], "outer", [value("flag", TP.BOOL, [])] + [value(n, shape=[4]) for n in
+                                                                              ("x", "w", "gy", "gz")],
+                              [value(n) for n in ("y", "z", "gx", "gw")])
+    model = helper.make_model(graph, opset_imports=inner.opset_import, ir_version=8)
+    converted = ortbridge.convert_from_ortmodule(model)
+    branch = next(a.g for a in converted.graph.node[0].attribute if a.name == "then_branch")
+    assert [n.domain for n in branch.node] == ["ortbridge", "ortbridge"]
+    x, w, gy, gz = (np.random.rand(4).astype(np.float32) for _ in range(4))
+    y, z, gx, gw = session(converted.SerializeToString()).run(
+        None, {"flag": np.array(True), "x": x, "w": w, "gy": gy, "gz": gz})
+    np.testing.assert_allclose(y, x * w * 0.5, rtol=1e-6)
+    np.testing.assert_allclose(gx, gy * w * 0.5 + gz, rtol=1e-6)
+
+
+def test_nodes_inside_model_local_functions_are_converted():
+    model = ortmodule_graph(["gy", "gz"])
+    fw = model.graph.node[0]
+    model.functions.append(helper.make_function("local", "Forward", ["x", "w"], ["ctx", "y", "z"], [fw],
+                                                opset_imports=list(model.opset_import)))
+    converted = ortbridge.convert_from_ortmodule(model)
+    assert [n.domain for n in converted.functions[0].node] == ["ortbridge"]
+    assert {o.domain for o in converted.functions[0].opset_import} == {"", "ortbridge"}
+    assert [n.domain for n in model.functions[0].node] == ["com.microsoft"]
+
+
 def test_other_com_microsoft_nodes_keep_their_domain():
     model = ortmodule_graph(["gy", "gz"])
     model.graph.node.append(helper.make_node("Gelu", ["y"], ["g"], domain="com.microsoft"))

@@ -1,6 +1,7 @@
 """ortbridge.export: each call of an exported Function becomes one PythonOp node, from either
 torch exporter, and the model runs in ONNX Runtime with outputs matching eager PyTorch."""
 
+import io
 import os
 import subprocess
 import sys
@@ -58,6 +59,9 @@ def test_model_matches_eager_and_keeps_everything_else_onnx(dynamo, tmp_path):
     assert [n.name for n in nodes(saved)] == ["PythonOp_BiasGelu_0", "PythonOp_BiasGelu_1", "PythonOp_NumpyTopK_2"]
     assert_same(run(saved, x), eager(net, x))
     assert proto == saved
+    buffer = io.BytesIO()  # a binary file works as well as a path, as in torch.onnx.export
+    ortbridge.export(net, (x,), buffer, dynamo=dynamo)
+    assert onnx.load_from_string(buffer.getvalue()) == saved
 
 
 def test_both_exporters_write_the_same_nodes():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import warnings
 
 import onnx
@@ -22,7 +23,8 @@ from .calls import DOMAIN, ExportError, Recorder
 def export(model: torch.nn.Module, args, f=None, *, kwargs: dict | None = None, dynamic_shapes=None,
            dynamo: bool = True, training: bool = False, all_functions: bool = False,
            allow_object_references: bool = False, opset_version: int | None = None) -> onnx.ModelProto:
-    """Export `model(*args, **kwargs)` to ONNX; save it to `f` (a path) if given, and return it.
+    """Export `model(*args, **kwargs)` to ONNX; save it to `f` (a path or binary file) if given,
+    and return it.
 
     Functions registered with ortbridge.register become PythonOp nodes (`all_functions=True`:
     every Function the model calls, registering those not yet registered); others are traced
@@ -61,7 +63,7 @@ def export(model: torch.nn.Module, args, f=None, *, kwargs: dict | None = None, 
     if training:
         _expose_contexts(proto.graph)
     if f is not None:
-        onnx.save(proto, str(f))
+        onnx.save(proto, f if hasattr(f, "write") else os.fspath(f))
     return proto
 
 
