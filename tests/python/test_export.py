@@ -450,6 +450,31 @@ def test_export_leaves_functions_and_model_as_they_were():
 
 # -- training export ----------------------------------------------------------------------------
 
+def test_training_export_leaves_buffers_and_random_state_as_they_were():
+    """ortbridge's eager run must not move BatchNorm statistics or the RNG (torch.export runs on
+    fake tensors, so after the export the model is exactly as before)."""
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.BatchNorm1d(3)
+            self.drop = torch.nn.Dropout(0.5)
+
+        def forward(self, x):
+            return Twin.apply(self.drop(self.norm(x)))
+
+    torch.manual_seed(0)
+    model, x = M(), torch.randn(4, 3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.random.get_rng_state()
+    ortbridge.register(Twin)
+    try:
+        ortbridge.export(model, (x,), training=True)
+    finally:
+        ortbridge.unregister(Twin)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(rng, torch.random.get_rng_state())
+
+
 @ortbridge.register
 class WrongBackward(torch.autograd.Function):
     @staticmethod

@@ -214,9 +214,15 @@ class Recorder:
         return name
 
     def run(self, model, args: tuple, kwargs: dict) -> None:
+        """One forward that leaves no trace: buffers (BatchNorm statistics in train mode) and the
+        random number generator are as they were, so the export sees the model as it was."""
         grad = torch.enable_grad() if self.training else torch.no_grad()
-        with grad, apply_replaced([torch.autograd.Function], self._apply):
+        buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        with torch.random.fork_rng(devices=[]), grad, apply_replaced([torch.autograd.Function], self._apply):
             model(*args, **kwargs)
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
 
     def _apply(self, func, original, args, kwargs):
         name = self.selected_name(func) if self._depth == 0 else None
