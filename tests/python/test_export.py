@@ -253,6 +253,9 @@ class Filled(torch.autograd.Function):
         return None, None
 
 
+Filled_forward = Filled.__dict__["forward"]
+
+
 @pytest.mark.parametrize("dynamo", EXPORTERS)
 def test_function_without_tensor_arguments(dynamo):
     class M(torch.nn.Module):
@@ -298,6 +301,31 @@ def test_outputs_passed_through_and_not_differentiable(dynamo):
     attrs = attributes(nodes(proto)[0])
     assert attrs["output_tensor_types"] == [onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT, onnx.TensorProto.INT64]
     assert attrs["output_tensor_ranks"] == [2, 2, 1]
+    assert_same(run(proto, x), eager(M(), x))
+
+
+@ortbridge.register
+class ScalarOut(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, s):
+        return (x * s).sum(), s > 0
+
+    @staticmethod
+    def backward(ctx, a, b):
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize("dynamo", EXPORTERS)
+def test_zero_dimensional_tensors_in_and_out(dynamo):
+    class M(torch.nn.Module):
+        def forward(self, x):
+            total, positive = ScalarOut.apply(x, x.mean())
+            return total + 1, positive
+
+    x = torch.randn(3)
+    proto = ortbridge.export(M(), (x,), dynamo=dynamo)
+    attrs = attributes(nodes(proto)[0])
+    assert attrs["input_tensor_ranks"] == [1, 0] and attrs["output_tensor_ranks"] == [0, 0]
     assert_same(run(proto, x), eager(M(), x))
 
 
@@ -546,6 +574,13 @@ def test_model_calling_differently_during_export_gets_our_error_not_torchs_fallb
 
     with pytest.raises(ortbridge.ExportError, match="called during export with arguments it was not called with"):
         ortbridge.export(M(), (torch.randn(2),))
+    M.calls = 0
+    with pytest.raises(ortbridge.ExportError, match="the TorchScript trace called test_export.Filled where"):
+        ortbridge.export(M(), (torch.randn(2),), dynamo=False)
+    # A failed export leaves every Function as it was.
+    assert "apply" not in Filled.__dict__ and "symbolic" not in Filled.__dict__
+    assert Filled.__dict__["forward"] is Filled_forward
+    assert torch.autograd.Function.__dict__["apply"].__func__ is torch.autograd.function.Function.apply.__func__
 
 
 def test_constant_from_a_dynamic_dim_is_refused_with_what_to_do():

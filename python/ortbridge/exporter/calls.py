@@ -79,15 +79,15 @@ class Arguments:
     object by reference through ortbridge.pin_object, valid only in this process.
     """
 
-    def __init__(self, name: str, args: tuple):
-        self.tensors = []
+    def __init__(self, name: str, args: tuple, tensor_type: type = torch.Tensor):
+        self.tensors = []  # the node's inputs (torch._C.Value in a TorchScript graph)
         self.objects = []  # (position, type name) of constants held by reference
         convention = []
         scalars = {"bool": ([], []), "int": ([], []), "float": ([], []), "pointer": ([], [])}
         tuples = {"bool": ([], [], []), "int": ([], [], []), "float": ([], [], [])}
         literals, literal_positions = [], []
         for position, arg in enumerate(args):
-            if isinstance(arg, torch.Tensor):
+            if isinstance(arg, tensor_type):
                 convention.append("d")
                 self.tensors.append(arg)
                 continue
@@ -118,9 +118,6 @@ class Arguments:
                 positions.append(position)
                 self.objects.append((position, type(arg).__name__))
         attrs = {"func_name": name, "input_convention": "".join(convention)}
-        if self.tensors:  # (an attribute cannot be an empty list in torch's exporter)
-            attrs["input_tensor_types"] = [_dtypes.onnx_type(t.dtype) for t in self.tensors]
-            attrs["input_tensor_ranks"] = [t.dim() for t in self.tensors]
         for kind, (values, positions) in scalars.items():
             if values:
                 attrs[f"input_{kind}_scalars"] = [float(v) if kind == "float" else int(v) for v in values]
@@ -137,12 +134,20 @@ class Arguments:
         if literals:
             attrs["input_literals"] = _literals.encode(literals)
             attrs["input_literal_positions"] = literal_positions
-        self.attrs = attrs
+        self.constants = attrs  # what the constant arguments make of the node
+
+    @property
+    def attrs(self) -> dict:
+        """The node's attributes: the constants', then the tensor inputs' types and ranks."""
+        if not self.tensors:  # (torch's exporter cannot write an empty list as an attribute)
+            return dict(self.constants)
+        return dict(self.constants, input_tensor_types=[_dtypes.onnx_type(t.dtype) for t in self.tensors],
+                    input_tensor_ranks=[t.dim() for t in self.tensors])
 
     def key(self, shapes: list) -> tuple:
         """Identifies the call by its constants and input types and shapes."""
-        frozen = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in self.attrs.items())
-        return frozen, tuple(tuple(s) for s in shapes)
+        frozen = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in self.constants.items())
+        return frozen, tuple(t.dtype for t in self.tensors), tuple(tuple(s) for s in shapes)
 
 
 class Call:
@@ -151,6 +156,7 @@ class Call:
     def __init__(self, func: type, name: str, args: tuple, result, training: bool):
         self.func = func
         arguments = Arguments(name, args)
+        self.constants = arguments.constants
         self.objects = arguments.objects
         self.input_shapes = [tuple(t.shape) for t in arguments.tensors]
         self.key = arguments.key(self.input_shapes)

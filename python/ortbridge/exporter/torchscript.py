@@ -16,7 +16,8 @@ import onnx
 import torch
 
 from . import dims
-from .calls import DOMAIN, Call, ExportError, class_attributes_set
+from .. import registry
+from .calls import DOMAIN, Arguments, Call, ExportError, class_attributes_set
 
 
 def _onnx_attribute_kwargs(attrs: dict) -> dict:
@@ -43,16 +44,17 @@ class _Symbolics:
         return staticmethod(lambda g, *args: self.emit(g, func, args))
 
     def emit(self, g, func, args):
-        values = [a for a in args if isinstance(a, torch._C.Value)]
         call = self.calls[self.done] if self.done < len(self.calls) else None
-        if call is None or call.func is not func or len(values) != len(call.input_shapes):
-            raise ExportError(f"the TorchScript trace called {func.__qualname__} where the eager run of the example "
-                              "inputs did not; the model must call its Functions the same way on every run.")
+        arguments = Arguments(registry.registered_name(func), args, tensor_type=torch._C.Value)
+        if call is None or call.func is not func or arguments.constants != call.constants:
+            raise ExportError(f"the TorchScript trace called {arguments.constants['func_name']} where the eager run of the example "
+                              "inputs did not, or with other constants; the model must call its Functions the same "
+                              "way on every run with these inputs.")
         self.done += 1
-        outputs = g.op(f"{DOMAIN}::PythonOp", *values, outputs=1 + len(call.output_dtypes),
+        outputs = g.op(f"{DOMAIN}::PythonOp", *arguments.tensors, outputs=1 + len(call.output_dtypes),
                        **_onnx_attribute_kwargs(call.attrs))
         outputs[0].setType(torch._C.TensorType.create_from_tensor(torch.zeros((), dtype=torch.int64)))
-        traced = [v.type().varyingSizes() for v in values]  # None where dynamic_axes made a dim dynamic
+        traced = [v.type().varyingSizes() for v in arguments.tensors]  # None where dynamic_axes made a dim dynamic
         for value, dtype, shape in zip(outputs[1:], call.output_dtypes, call.output_shapes_for(traced)):
             value.setType(torch._C.TensorType.create_from_tensor(torch.empty(0, dtype=dtype)).with_sizes(shape))
         return tuple(outputs[1:]) if len(outputs) > 2 else outputs[1]
