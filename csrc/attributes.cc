@@ -272,12 +272,19 @@ ForwardLayout ParseForward(const AttributeSource& a, size_t input_count, size_t 
   f.output_tensor_ranks =
       Ranks(a, "output_tensor_ranks", output_count - 1, "one per node output after the context id", true);
 
-  std::vector<int64_t> reuse;  // validated for ORT compatibility; stock ORT's planner ignores it
+  std::vector<int64_t> reuse;
   if (OptionalInts(a, "tensor_reuse_map", &reuse)) {
     CheckSize("tensor_reuse_map", reuse.size(), output_count, "one per node output, context id included");
     if (reuse[0] != -1) Fail("tensor_reuse_map", "entry 0 (the context id) must be -1");
-    for (int64_t r : reuse) {
-      if (r < -1 || r >= static_cast<int64_t>(input_count)) Fail("tensor_reuse_map", "entry is not -1 or a tensor input index");
+    std::vector<bool> taken(input_count, false);
+    for (size_t j = 0; j < reuse.size(); ++j) {
+      int64_t i = reuse[j];
+      if (i < -1 || i >= static_cast<int64_t>(input_count)) Fail("tensor_reuse_map", "entry is not -1 or a tensor input index");
+      // ORTModule also maps outputs that view an input under another type: those are not in place.
+      if (i >= 0 && !taken[i] && f.output_tensor_types[j - 1] == f.input_tensor_types[i]) {
+        taken[i] = true;
+        f.in_place.emplace_back(j, static_cast<size_t>(i));
+      }
     }
   }
   return f;

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace ortbridge {
@@ -52,6 +53,9 @@ struct ForwardLayout {
   std::string literals;                        // input_literals: JSON list the kLiteral constants index
   std::vector<int64_t> output_tensor_types;    // per output after the context id
   std::vector<int64_t> output_tensor_ranks;
+  // tensor_reuse_map entries j -> i whose output and input types agree (the first per input):
+  // node output j is tensor input i updated in place.
+  std::vector<std::pair<size_t, size_t>> in_place;
 };
 
 // PythonOpGrad: Function.backward(ctx, *grads) -> one value per forward argument.

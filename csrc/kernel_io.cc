@@ -84,12 +84,28 @@ TensorView WriteOutput(const OrtApi& api, OrtKernelContext* context, size_t inde
   return out;
 }
 
-void WriteZeros(const OrtApi& api, OrtKernelContext* context, size_t index, const TensorMeta& meta) {
+namespace {
+
+size_t ByteSize(const TensorMeta& meta) {
   dl::DataType dtype;
   ToDLDataType(meta.elem_type, &dtype);
   size_t bytes = dtype.bits / 8;
   for (int64_t d : meta.shape) bytes *= static_cast<size_t>(d);
-  std::memset(AllocateOutput(api, context, index, meta.shape), 0, bytes);
+  return bytes;
+}
+
+}  // namespace
+
+void RedirectToOutput(const OrtApi& api, OrtKernelContext* context, size_t index, TensorView* input) {
+  void* buffer = AllocateOutput(api, context, index, input->shape);
+  if (buffer != input->data) {
+    std::memcpy(buffer, input->data, ByteSize(*input));
+    input->data = buffer;
+  }
+}
+
+void WriteZeros(const OrtApi& api, OrtKernelContext* context, size_t index, const TensorMeta& meta) {
+  std::memset(AllocateOutput(api, context, index, meta.shape), 0, ByteSize(meta));
 }
 
 uint64_t SkippedOutputCopies() { return g_skipped_copies.load(); }

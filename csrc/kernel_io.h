@@ -28,6 +28,12 @@ py::tuple BorrowInputs(const std::vector<TensorView>& inputs);
 TensorView WriteOutput(const OrtApi& api, OrtKernelContext* context, size_t index, PyObject* capsule, int64_t type,
                        int64_t rank, const char* kind, const std::vector<int64_t>* expected_shape = nullptr);
 
+// Node output `index` is `input` updated in place: allocates it with the input's shape and
+// points `input` at that buffer. Where ORT gave the output the input's own buffer nothing moves;
+// elsewhere the input is copied there first, so the Function never writes into a buffer other
+// nodes may read. Before the GIL is taken.
+void RedirectToOutput(const OrtApi& api, OrtKernelContext* context, size_t index, TensorView* input);
+
 // Output `index` as zeros of `meta`'s type and shape.
 void WriteZeros(const OrtApi& api, OrtKernelContext* context, size_t index, const TensorMeta& meta);
 

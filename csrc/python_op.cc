@@ -60,6 +60,11 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
       for (size_t i = 0; i < layout_.input_tensor_types.size(); ++i) {
         inputs.push_back(ReadInput(api_, context, i, layout_.input_tensor_types[i], layout_.input_tensor_ranks[i]));
       }
+      for (auto [output, input] : layout_.in_place) {  // an output of another rank is a view: not in place
+        if (inputs[input].shape.size() == static_cast<size_t>(layout_.output_tensor_ranks[output - 1])) {
+          RedirectToOutput(api_, context, output, &inputs[input]);
+        }
+      }
       py::gil_scoped_acquire gil;
       try {
         // (autograd context or None, output capsules..., [indices of inputs modified in place])
@@ -101,8 +106,8 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
  private:
   friend class PythonKernel<ForwardLayout>;
 
-  // A Function may write into an input's buffer only when ORT gave that buffer to the output it
-  // returns; otherwise other nodes could read the changed value.
+  // A Function may write only into an input that the node declares updated in place (which then
+  // views its output's buffer); any other input's buffer other nodes could read.
   static void CheckInPlaceWrites(const std::vector<TensorView>& inputs, const std::vector<TensorView>& outputs,
                                  py::handle modified) {
     for (py::handle index : modified) {
@@ -111,9 +116,9 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
       if (std::none_of(outputs.begin(), outputs.end(), [&](const TensorView& o) { return o.data == buffer; })) {
         throw std::runtime_error(
             "the Function modified input " + std::to_string(i) +
-            " in place, but ONNX Runtime had not given that buffer to its output (it does so only for input 0 -> "
-            "output 1, when no other node reads the value), so other nodes may see the change. Modify a copy "
-            "instead (x = x.clone()).");
+            " in place, but the node does not declare it updated in place (tensor_reuse_map), so other nodes may "
+            "see the change. Modify a copy instead (x = x.clone()), or export the model with ortbridge.export, "
+            "which declares the in-place updates it sees.");
       }
     }
   }

@@ -484,6 +484,20 @@ TEST_F(ForwardTest, RejectsReuseOfAnInputForTheContextId) {
   EXPECT_TRUE(Fails("tensor_reuse_map", "entry 0 (the context id) must be -1"));
 }
 
+TEST_F(ForwardTest, ReuseMapGivesInPlaceOutputsOfTheInputsType) {
+  a.strings["input_convention"] = "dd";
+  a.int_lists["input_tensor_types"] = {1, 7};
+  inputs = 2;
+  outputs = 5;
+  a.int_lists["output_tensor_types"] = {1, 1, 1, 7};
+  a.int_lists["output_tensor_ranks"] = {1, 1, 1, 1};
+  // output 1 <- input 0; output 2 <- input 0 again (ignored); output 3 <- input 1 of another type
+  // (a view, not in place); output 4 <- input 1.
+  a.int_lists["tensor_reuse_map"] = {-1, 0, 0, 1, 1};
+  ForwardLayout f = Parse();
+  EXPECT_EQ(f.in_place, (std::vector<std::pair<size_t, size_t>>{{1, 0}, {4, 1}}));
+}
+
 TEST_F(ForwardTest, RejectsReuseMapWrongLength) {
   a.int_lists["tensor_reuse_map"] = {-1};  // counts the context id too
   EXPECT_TRUE(Fails("tensor_reuse_map", "expected 2"));

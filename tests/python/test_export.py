@@ -330,6 +330,52 @@ def test_zero_dimensional_tensors_in_and_out(dynamo):
 
 
 @ortbridge.register
+class ReluInPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.mark_dirty(x)
+        return x.relu_()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise NotImplementedError
+
+
+class InPlaceOnIntermediate(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return ReluInPlace.apply(self.linear(x))  # nothing else reads the Linear's output
+
+
+class InPlaceOnInput(torch.nn.Module):
+    def forward(self, x):
+        return ReluInPlace.apply(x) * 2
+
+
+class InPlaceOnShared(torch.nn.Module):
+    def forward(self, x):
+        h = x * 2
+        return ReluInPlace.apply(h) + h  # eager: h is updated, so this is 2 * relu(h)
+
+
+@pytest.mark.parametrize("module", [InPlaceOnIntermediate, InPlaceOnInput, InPlaceOnShared])
+@pytest.mark.parametrize("dynamo", EXPORTERS)
+def test_in_place_update_with_mark_dirty(dynamo, module):
+    model, x = module(), torch.randn(4, 3)
+    proto = ortbridge.export(model, (x.clone(),), dynamo=dynamo)
+    assert attributes(nodes(proto)[0])["tensor_reuse_map"] == [-1, 0]
+    before = ortbridge._C.skipped_output_copies()
+    feed = x.clone()
+    assert_same(run(proto, feed), eager(model, x.clone()))
+    assert torch.equal(feed, x)  # ORT's graph input is never written
+    if module is InPlaceOnIntermediate:  # ORT gave the output the input's buffer: no copy at all
+        assert ortbridge._C.skipped_output_copies() == before + 1
+
+
+@ortbridge.register
 class Stack2(torch.autograd.Function):
     """Output rows = 2 x input rows: no input dim has that size, so only infer_shape can say it."""
 

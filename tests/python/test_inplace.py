@@ -1,6 +1,7 @@
-"""Functions that write into their input. ORT may give output 1 the buffer of input 0 when the
-node declares it (tensor_reuse_map) and nothing else reads that value: then the output is not
-copied. Anywhere else an in-place write into ORT's buffer is refused with a clear error."""
+"""Functions that write into their input. A node declares it (tensor_reuse_map): where nothing
+else reads that value ORT gives the output the input's buffer and nothing is copied; elsewhere
+the Function updates a copy in the output's buffer. An undeclared in-place write into ORT's
+buffer is refused with a clear error."""
 
 import numpy as np
 import pytest
@@ -54,17 +55,25 @@ def test_in_place_output_is_not_copied(double):
     assert ortbridge._C.skipped_output_copies() == before + 1
 
 
-def test_in_place_write_into_a_buffer_ort_did_not_hand_over_is_refused(double):
+def test_undeclared_in_place_write_is_refused(double):
     sess = relu_double_neg(reuse=False)  # no declared reuse: the output has a buffer of its own
-    with pytest.raises(RuntimeException, match="modified input 0 in place, but ONNX Runtime had not given"):
+    with pytest.raises(RuntimeException, match=r"modified input 0 in place, but the node does not declare it"):
         sess.run(None, {"x": np.ones(8, np.float32)})
-    # A graph input is never handed over either.
-    node = python_op(DoubleInPlace, [T("x")], [(TP.FLOAT, 1)], out_names=["y"], tensor_reuse_map=[-1, 0])
-    direct = session(model([node], [value("x", shape=[8])], [value("y")]))
-    with pytest.raises(RuntimeException, match="modified input 0 in place"):
-        direct.run(None, {"x": np.ones(8, np.float32)})
     (z,) = relu_double_neg().run(None, {"x": np.ones(8, np.float32)})  # and the good case still runs
     np.testing.assert_array_equal(z, np.full(8, -2, np.float32))
+
+
+def test_declared_in_place_write_on_a_buffer_ort_keeps_works_on_a_copy(double):
+    # A graph input, and a value another node reads too: ORT keeps those buffers, so the
+    # Function updates a copy of its input in the output's buffer.
+    node = python_op(DoubleInPlace, [T("x")], [(TP.FLOAT, 1)], out_names=["y"], tensor_reuse_map=[-1, 0])
+    shared = helper.make_node("Neg", ["x"], ["n"])
+    sess = session(model([node, shared], [value("x", shape=[8])], [value("y"), value("n")]))
+    x = np.arange(8, dtype=np.float32)
+    y, n = sess.run(None, {"x": x})
+    np.testing.assert_array_equal(y, 2 * np.arange(8))
+    np.testing.assert_array_equal(n, -np.arange(8))  # Neg saw the input as it was
+    np.testing.assert_array_equal(x, np.arange(8))  # and the caller's array is untouched
 
 
 def test_in_place_write_without_returning_the_input_is_refused(double):

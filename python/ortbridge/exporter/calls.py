@@ -153,7 +153,7 @@ class Arguments:
 class Call:
     """One recorded top-level call of an exported Function."""
 
-    def __init__(self, func: type, name: str, args: tuple, result, training: bool):
+    def __init__(self, func: type, name: str, args: tuple, result, training: bool, updated: list):
         self.func = func
         arguments = Arguments(name, args)
         self.constants = arguments.constants
@@ -172,6 +172,12 @@ class Call:
                           output_tensor_ranks=[len(s) for s in self.output_shapes], training_mode=int(training))
         if training:
             self.attrs["input_requires_grads"] = [int(isinstance(a, torch.Tensor) and a.requires_grad) for a in args]
+        # An output that is a tensor input forward updated (ctx.mark_dirty) is that input in place.
+        tensors = arguments.tensors
+        reuse = [next((i for i in updated if o is tensors[i]), -1) for o in outputs]
+        self.in_place = {j: i for j, i in enumerate(reuse) if i >= 0}  # output -> tensor input
+        if self.in_place:
+            self.attrs["tensor_reuse_map"] = [-1, *reuse]
 
     @property
     def name(self) -> str:
@@ -237,12 +243,15 @@ class Recorder:
                 self.traced_through.add(registry.qualified_name(func))
             return original(*args, **kwargs)
         args = bind(func, args, kwargs)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        versions = [t._version for t in tensors]
         self._depth += 1
         try:
             result = original(*args)
         finally:
             self._depth -= 1
-        self.calls.append(Call(func, name, args, result, self.training))
+        updated = [i for i, (t, v) in enumerate(zip(tensors, versions)) if t._version != v]
+        self.calls.append(Call(func, name, args, result, self.training, updated))
         return result
 
 

@@ -38,8 +38,10 @@ class _Emitter:
         outputs = torch.onnx.ops.symbolic_multi_out(
             f"{DOMAIN}::PythonOp", arguments.tensors, call.attrs,
             dtypes=[torch.int64, *call.output_dtypes], shapes=[[], *call.output_shapes_for(traced)], version=1)
-        outputs = tuple(outputs[1:])  # output 0 is the context id
-        return outputs if call.returns_tuple else outputs[0]
+        outputs = list(outputs[1:])  # output 0 is the context id
+        for j, i in call.in_place.items():  # as in eager, the updated input is the output, and later reads see it
+            outputs[j] = arguments.tensors[i].copy_(outputs[j])
+        return tuple(outputs) if call.returns_tuple else outputs[0]
 
 
 def export(model, args: tuple, kwargs: dict, dynamic_shapes, calls: list[Call], opset_version):

@@ -62,25 +62,32 @@ class _Symbolics:
 
 def _untraced(forward):
     """forward with the tracer off: the tracer would record its body into the prim::PythonOp
-    node, which the symbolic discards anyway, and some bodies break torch's graph passes. (Only
-    with grad off: torch's apply cannot trace an untraced output that requires grad.)"""
+    node, which the symbolic discards anyway, and some bodies break torch's graph passes. Each
+    output leaves through one traced op (torch's apply must find a trace of each output)."""
     @functools.wraps(forward)  # keeps its signature, which torch's apply binds arguments to
     def run(*args, **kwargs):
+        versions = {id(a): a._version for a in args if isinstance(a, torch.Tensor)}
         state = torch._C._get_tracing_state()
         torch._C._set_tracing_state(None)
         try:
-            return forward(*args, **kwargs)
+            result = forward(*args, **kwargs)
         finally:
             torch._C._set_tracing_state(state)
+
+        def traced(o):
+            if not isinstance(o, torch.Tensor) or versions.get(id(o)) == o._version:
+                return o  # not a tensor, or an input passed through: traced already
+            if id(o) in versions:  # an input updated in place (mark_dirty) stays that input
+                return o.copy_(o.detach())
+            return o.clone()
+        return tuple(map(traced, result)) if isinstance(result, tuple) else traced(result)
     return staticmethod(run)
 
 
-def _opaque_functions(symbolics: _Symbolics, training: bool):
+def _opaque_functions(symbolics: _Symbolics):
     changes = []
     for func in {call.func for call in symbolics.calls}:
-        changes.append((func, "symbolic", symbolics.for_function(func)))
-        if not training:
-            changes.append((func, "forward", _untraced(func.forward)))
+        changes += [(func, "symbolic", symbolics.for_function(func)), (func, "forward", _untraced(func.forward))]
     return class_attributes_set(changes)
 
 
@@ -100,7 +107,7 @@ def export(model, args: tuple, kwargs: dict, dynamic_shapes, calls: list[Call], 
     symbolics = _Symbolics(calls)
     buffer = io.BytesIO()
     mode = torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL
-    with _opaque_functions(symbolics, training), warnings.catch_warnings(), torch.set_grad_enabled(training):
+    with _opaque_functions(symbolics), warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # of this path, which the user chose
         torch.onnx.export(model, args, buffer, kwargs=kwargs, dynamo=False, opset_version=opset_version,
                           input_names=input_names, dynamic_axes=dynamic_axes, custom_opsets={DOMAIN: 1},
