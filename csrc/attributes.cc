@@ -279,7 +279,9 @@ ForwardLayout ParseForward(const AttributeSource& a, size_t input_count, size_t 
     std::vector<bool> taken(input_count, false);
     for (size_t j = 0; j < reuse.size(); ++j) {
       int64_t i = reuse[j];
-      if (i < -1 || i >= static_cast<int64_t>(input_count)) Fail("tensor_reuse_map", "entry is not -1 or a tensor input index");
+      if (i < -1 || i >= static_cast<int64_t>(input_count)) {
+        Fail("tensor_reuse_map", "entry is not -1 or a tensor input index");
+      }
       // ORTModule also maps outputs that view an input under another type: those are not in place.
       if (i >= 0 && !taken[i] && f.output_tensor_types[j - 1] == f.input_tensor_types[i]) {
         taken[i] = true;

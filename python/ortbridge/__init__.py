@@ -10,6 +10,6 @@ from .registry import UnknownFunctionError, pin_object, register, registered_nam
 from .runtime import InferenceSession, context_pool_size, library_path, release_context, session_options
 
 __all__ = [
-    "ExportError", "InferenceSession", "UnknownFunctionError", "context_pool_size", "convert_from_ortmodule", "export", "library_path", "pin_object",
-    "register", "registered_names", "release_context", "session_options", "unregister",
+    "ExportError", "InferenceSession", "UnknownFunctionError", "context_pool_size", "convert_from_ortmodule", "export",
+    "library_path", "pin_object", "register", "registered_names", "release_context", "session_options", "unregister",
 ]

@@ -47,14 +47,14 @@ class _Symbolics:
         call = self.calls[self.done] if self.done < len(self.calls) else None
         arguments = Arguments(registry.registered_name(func), args, tensor_type=torch._C.Value)
         if call is None or call.func is not func or arguments.constants != call.constants:
-            raise ExportError(f"the TorchScript trace called {arguments.constants['func_name']} where the eager run of the example "
-                              "inputs did not, or with other constants; the model must call its Functions the same "
-                              "way on every run with these inputs.")
+            raise ExportError(f"the TorchScript trace called {arguments.constants['func_name']} where the eager run "
+                              "of the example inputs did not, or with other constants; the model must call its "
+                              "Functions the same way on every run with these inputs.")
         self.done += 1
         outputs = g.op(f"{DOMAIN}::PythonOp", *arguments.tensors, outputs=1 + len(call.output_dtypes),
                        **_onnx_attribute_kwargs(call.attrs))
         outputs[0].setType(torch._C.TensorType.create_from_tensor(torch.zeros((), dtype=torch.int64)))
-        traced = [v.type().varyingSizes() for v in arguments.tensors]  # None where dynamic_axes made a dim dynamic
+        traced = [v.type().varyingSizes() for v in arguments.tensors]  # None: a dim dynamic_axes made dynamic
         for value, dtype, shape in zip(outputs[1:], call.output_dtypes, call.output_shapes_for(traced)):
             value.setType(torch._C.TensorType.create_from_tensor(torch.empty(0, dtype=dtype)).with_sizes(shape))
         return tuple(outputs[1:]) if len(outputs) > 2 else outputs[1]
