@@ -642,6 +642,28 @@ def test_constant_from_a_dynamic_dim_is_refused_with_what_to_do():
 
 
 @ortbridge.register
+class UpdatesWithoutReturning(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        x.add_(1)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        raise NotImplementedError
+
+
+def test_in_place_update_not_returned_is_refused_with_what_to_do():
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return UpdatesWithoutReturning.apply(x * 1)
+
+    with pytest.raises(ortbridge.ExportError, match=r"updated its tensor input 0 in place without returning it.*"
+                                                    r"Return that input \(with ctx.mark_dirty\)"):
+        ortbridge.export(M(), (torch.randn(2),))
+
+
+@ortbridge.register
 class ReturnsInt(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):

@@ -68,13 +68,14 @@ def export(model: torch.nn.Module, args, f=None, *, kwargs: dict | None = None, 
 
 
 def _refuse_object_references(calls) -> None:
-    for call in calls:
-        for position, type_name in call.objects:
-            raise ExportError(
-                f"argument {position} of {call.name}.apply is a {type_name} object, which the model can only hold "
-                "by reference, valid in this process alone, so the saved file would not run elsewhere. Pass a "
-                "plain value instead (None, bool, int, float, str, torch.dtype, torch.device, or lists, tuples "
-                "and str-keyed dicts of those), or allow_object_references=True to save it anyway.")
+    held = [(call.name, position, type_name) for call in calls for position, type_name in call.objects]
+    if held:
+        name, position, type_name = held[0]
+        raise ExportError(
+            f"argument {position} of {name}.apply is a {type_name} object, which the model can only hold by "
+            "reference, valid in this process alone, so the saved file would not run elsewhere. Pass a plain "
+            "value instead (None, bool, int, float, str, torch.dtype, torch.device, or lists, tuples and "
+            "str-keyed dicts of those), or allow_object_references=True to save it anyway.")
 
 
 def _name_nodes(graph: onnx.GraphProto) -> None:

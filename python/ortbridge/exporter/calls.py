@@ -176,6 +176,11 @@ class Call:
         tensors = arguments.tensors
         reuse = [next((i for i in updated if o is tensors[i]), -1) for o in outputs]
         self.in_place = {j: i for j, i in enumerate(reuse) if i >= 0}  # output -> tensor input
+        not_returned = sorted(set(updated) - set(self.in_place.values()))
+        if not_returned:
+            raise ExportError(f"{name}.forward updated its tensor input {not_returned[0]} in place without "
+                              "returning it; in a graph no other node would see the change. Return that input (with "
+                              "ctx.mark_dirty), or update a copy.")
         if self.in_place:
             self.attrs["tensor_reuse_map"] = [-1, *reuse]
 
