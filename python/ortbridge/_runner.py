@@ -23,8 +23,13 @@ _push_saved_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_saved_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 
 _functorch_active = torch._C._are_functorch_transforms_active
-# Whether a Function uses setup_context (then torch's apply binds its defaulted arguments).
-_uses_setup_context = getattr(torch.autograd.function, "_is_setup_context_defined", None)
+
+
+def uses_setup_context(func: type) -> bool:
+    """Whether a Function defines setup_context; then torch's apply binds keyword and defaulted
+    arguments to positions (torch >= 2.0)."""
+    return torch.autograd.function._is_setup_context_defined(func.setup_context)
+
 
 pinned_object = registry.pinned_object
 decode_literals = _literals.decode
@@ -35,9 +40,9 @@ def _direct_apply(func: type):
     arguments on: apply is not overridden and there is no setup_context (whose default arguments
     the wrapper binds). Saves about 2 us a call; None where it does not apply."""
     base_apply = torch._C._FunctionBase.__dict__.get("apply")
-    if (base_apply is None or _uses_setup_context is None
+    if (base_apply is None
             or getattr(func.apply, "__func__", None) is not torch.autograd.Function.apply.__func__
-            or _uses_setup_context(func.setup_context)):
+            or uses_setup_context(func)):
         return None
     return base_apply.__get__(None, func)
 
@@ -75,7 +80,7 @@ def _forward_without_autograd(func: type, argument_count: int):
     needs_input_grad = (False,) * argument_count
     forward = func.forward
     setup_context = func.setup_context
-    if _uses_setup_context is not None and _uses_setup_context(setup_context):
+    if uses_setup_context(func):
         def call(*args):
             output = forward(*args)
             ctx = FunctionCtx()
@@ -203,7 +208,7 @@ class BackwardNode:
         self.no_gradients = (None,) * len(self.outputs)
         # torch's apply binds defaulted forward arguments of setup_context-style Functions, and
         # backward returns a (None) value for each of them too.
-        self.binds_defaults = _uses_setup_context is None or _uses_setup_context(self.func.setup_context)
+        self.binds_defaults = uses_setup_context(self.func)
 
     def run(self, ctx, capsules: tuple, absent: dict | None) -> tuple:
         """One capsule per wanted gradient output, None elsewhere (the kernel writes zeros where a

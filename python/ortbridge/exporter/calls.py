@@ -12,10 +12,10 @@ import onnx
 import torch
 
 from .. import _dtypes, _literals, registry
+from .._runner import uses_setup_context
 
 DOMAIN = "ortbridge"
 _INT64_MIN, _INT64_MAX = -(2 ** 63), 2 ** 63 - 1
-_uses_setup_context = torch.autograd.function._is_setup_context_defined
 
 
 class ExportError(TypeError):
@@ -25,7 +25,7 @@ class ExportError(TypeError):
 def bind(func: type, args: tuple, kwargs: dict) -> tuple:
     """apply's arguments as the positional ones torch passes on: for Functions with setup_context
     torch binds keyword and defaulted arguments; other Functions take positional ones only."""
-    if _uses_setup_context(func.setup_context):
+    if uses_setup_context(func):
         bound = inspect.signature(func.forward).bind(*args, **kwargs)
         bound.apply_defaults()
         return tuple(bound.args)
