@@ -77,8 +77,12 @@ PyObject* BorrowAsCapsule(void* data, int64_t onnx_type, const int64_t* shape, s
   t.byte_offset = 0;
   b->managed.manager_ctx = b;
   b->managed.deleter = DeleteBorrowed;
-  PyObject* capsule = PyCapsule_New(&b->managed, kCapsuleName, CapsuleDestructor);
-  if (!capsule) delete b;
+  return NewOwningCapsule(&b->managed);
+}
+
+PyObject* NewOwningCapsule(dl::ManagedTensor* managed) {
+  PyObject* capsule = PyCapsule_New(managed, kCapsuleName, CapsuleDestructor);
+  if (!capsule) managed->deleter(managed);
   return capsule;
 }
 

@@ -46,6 +46,10 @@ int64_t FromDLDataType(dl::DataType dtype);  // 0 when there is no ONNX type for
 // A new "dltensor" capsule viewing `data` (borrowed: valid only while ORT keeps the buffer).
 PyObject* BorrowAsCapsule(void* data, int64_t onnx_type, const int64_t* shape, size_t ndim, dl::Device device);
 
+// A new "dltensor" capsule that owns `managed`: the consumer calls its deleter, or the capsule
+// does when nobody consumed it (also when creating the capsule fails).
+PyObject* NewOwningCapsule(dl::ManagedTensor* managed);
+
 // A tensor handed over by Python: owns the DLPack producer's memory until destroyed.
 class ImportedTensor {
  public:

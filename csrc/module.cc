@@ -2,6 +2,7 @@
 // loads it by path it gets this already-loaded copy, so kernels and Python share one context pool.
 #include <pybind11/pybind11.h>
 
+#include "context_id.h"
 #include "kernel_io.h"
 #include "proxy.h"
 
@@ -18,6 +19,15 @@ PYBIND11_MODULE(_C, m) {
         return saved.has_value();
       },
       py::arg("context_id"), "Drops a context whose backward will never run. Returns whether it was live.");
+  m.def(
+      "context_id_capsule",
+      [] {
+        PyObject* capsule = ortbridge::NewContextIdCapsule();
+        if (!capsule) throw py::error_already_set();
+        return py::reinterpret_steal<py::object>(capsule);
+      },
+      "A DLPack capsule over a 0-d int64 tensor for a forward session to write a context id into; "
+      "freeing the tensor releases that context unless a backward took it.");
   m.def("skipped_output_copies", &ortbridge::SkippedOutputCopies,
         "Outputs written without a copy since the process started: the Function wrote in place into the "
         "buffer ONNX Runtime gave the output.");

@@ -8,8 +8,9 @@ from .convert import convert_from_ortmodule
 from .exporter import ExportError, export
 from .registry import UnknownFunctionError, pin_object, register, registered_names, unregister
 from .runtime import InferenceSession, context_pool_size, library_path, release_context, session_options
+from .training import OrtModule
 
 __all__ = [
-    "ExportError", "InferenceSession", "UnknownFunctionError", "context_pool_size", "convert_from_ortmodule", "export",
+    "ExportError", "InferenceSession", "OrtModule", "UnknownFunctionError", "context_pool_size", "convert_from_ortmodule", "export",
     "library_path", "pin_object", "register", "registered_names", "release_context", "session_options", "unregister",
 ]

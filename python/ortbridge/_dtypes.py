@@ -15,3 +15,14 @@ def onnx_type(dtype: torch.dtype) -> int:
         return TO_ONNX[dtype]
     except KeyError:
         raise TypeError(f"{dtype} has no ONNX element type that ortbridge supports") from None
+
+
+def numpy_type(dtype: torch.dtype):
+    """The numpy dtype ONNX Runtime's IOBinding takes for a torch dtype."""
+    try:
+        return _NUMPY[dtype]
+    except KeyError:
+        raise TypeError(f"{dtype} has no numpy type, which ONNX Runtime's IOBinding needs") from None
+
+
+_NUMPY = {d: torch.empty(0, dtype=d).numpy().dtype for d in TO_ONNX if d is not torch.bfloat16}

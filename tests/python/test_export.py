@@ -617,7 +617,7 @@ def test_model_calling_differently_during_export_gets_our_error_not_torchs_fallb
             M.calls += 1  # the eager run and the export trace pass different constants
             return Filled.apply(2, float(M.calls)) + x
 
-    with pytest.raises(ortbridge.ExportError, match="called during export with arguments it was not called with"):
+    with pytest.raises(ortbridge.ExportError, match="called during tracing with arguments it was not called with"):
         ortbridge.export(M(), (torch.randn(2),))
     M.calls = 0
     with pytest.raises(ortbridge.ExportError, match="the TorchScript trace called test_export.Filled where"):

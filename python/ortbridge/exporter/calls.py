@@ -167,6 +167,7 @@ class Call:
                 raise ExportError(f"{name}.forward output {i} is {type(o).__name__}; a PythonOp output must be a "
                                   "tensor. Return tensors only (keep other values on ctx or outside the Function).")
         self.output_dtypes = [o.dtype for o in outputs]
+        self.differentiable = [o.requires_grad for o in outputs]  # (False for every output without autograd)
         self.output_shapes = [tuple(o.shape) for o in outputs]
         self.attrs = dict(arguments.attrs, output_tensor_types=[_dtypes.onnx_type(d) for d in self.output_dtypes],
                           output_tensor_ranks=[len(s) for s in self.output_shapes], training_mode=int(training))
@@ -187,6 +188,14 @@ class Call:
     @property
     def name(self) -> str:
         return self.attrs["func_name"]
+
+    def returned(self, tensors: list, outputs) -> object:
+        """What apply returns in a traced graph given the node's outputs: as in eager, an input
+        updated in place is that output, and later reads of it see the update."""
+        outputs = list(outputs)
+        for j, i in self.in_place.items():
+            outputs[j] = tensors[i].copy_(outputs[j])
+        return tuple(outputs) if self.returns_tuple else outputs[0]
 
     def output_shapes_for(self, traced_inputs: list) -> list:
         """Output shapes for the graph, from the traced input dims (an int where static; a
@@ -209,6 +218,36 @@ class Call:
                 if not isinstance(dim, int):
                     symbols.setdefault(size, dim)
         return [[symbols[size] if size in symbols else size for size in shape] for shape in self.output_shapes]
+
+
+def _hint(dim) -> int:
+    """The example size behind a traced dim (no guard is added)."""
+    return dim if isinstance(dim, int) else dim.node.hint
+
+
+class CallTable:
+    """The recorded calls, looked up by each traced call: same Function, constants, input dtypes
+    and example sizes."""
+
+    def __init__(self, calls: list[Call]):
+        self.calls = {}
+        for call in calls:
+            self.calls.setdefault((call.func, call.key), call)
+
+    @property
+    def functions(self) -> set:
+        return {func for func, _ in self.calls}
+
+    def match(self, func: type, args: tuple, kwargs: dict) -> tuple[Arguments, Call]:
+        """The traced call's arguments and the recorded call it is."""
+        arguments = Arguments(registry.registered_name(func), bind(func, args, kwargs))
+        traced = [[_hint(d) for d in t.shape] for t in arguments.tensors]
+        call = self.calls.get((func, arguments.key(traced)))
+        if call is None:
+            raise ExportError(f"{arguments.attrs['func_name']} was called during tracing with arguments it was not "
+                              "called with in the eager run of the example inputs; the model must call its "
+                              "Functions the same way on every run with these inputs.")
+        return arguments, call
 
 
 class Recorder:

@@ -10,38 +10,21 @@ from __future__ import annotations
 
 import torch
 
-from .. import registry
 from . import dims
-from .calls import DOMAIN, Arguments, Call, ExportError, apply_replaced, bind
-
-
-def _hint(dim) -> int:
-    """The example size behind a traced dim (no guard is added)."""
-    return dim if isinstance(dim, int) else dim.node.hint
+from .calls import DOMAIN, Call, CallTable, apply_replaced
 
 
 class _Emitter:
     def __init__(self, calls: list[Call]):
-        self.calls = {}
-        for call in calls:
-            self.calls.setdefault((call.func, call.key), call)
+        self.table = CallTable(calls)
 
     def __call__(self, func, original, args, kwargs):
-        args = bind(func, args, kwargs)
-        arguments = Arguments(registry.registered_name(func), args)
+        arguments, call = self.table.match(func, args, kwargs)
         traced = [list(t.shape) for t in arguments.tensors]
-        call = self.calls.get((func, arguments.key([[_hint(d) for d in s] for s in traced])))
-        if call is None:
-            raise ExportError(f"{arguments.attrs['func_name']} was called during export with arguments it was not "
-                              "called with in the eager run of the example inputs; the model must call its "
-                              "Functions the same way on every run with these inputs.")
         outputs = torch.onnx.ops.symbolic_multi_out(
             f"{DOMAIN}::PythonOp", arguments.tensors, call.attrs,
             dtypes=[torch.int64, *call.output_dtypes], shapes=[[], *call.output_shapes_for(traced)], version=1)
-        outputs = list(outputs[1:])  # output 0 is the context id
-        for j, i in call.in_place.items():  # as in eager, the updated input is the output, and later reads see it
-            outputs[j] = arguments.tensors[i].copy_(outputs[j])
-        return tuple(outputs) if call.returns_tuple else outputs[0]
+        return call.returned(arguments.tensors, outputs[1:])  # output 0 is the context id
 
 
 def export(model, args: tuple, kwargs: dict, dynamic_shapes, calls: list[Call], opset_version):

@@ -1,0 +1,14 @@
+// A context id as a tensor that owns its context: torch keeps it between the forward and the
+// backward graph, and when torch frees it the context is released if no backward took it.
+#pragma once
+
+#include <Python.h>
+
+namespace ortbridge {
+
+// A new "dltensor" capsule over a 0-d int64 tensor holding 0 (no context). The forward session
+// writes the context id into it; the DLPack deleter (run when the tensor is freed, on any
+// thread) releases that context if it is still live.
+PyObject* NewContextIdCapsule();
+
+}  // namespace ortbridge

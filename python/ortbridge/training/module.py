@@ -1,0 +1,63 @@
+"""ortbridge.OrtModule: an nn.Module whose forward and backward ONNX Runtime runs."""
+
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as pytree
+
+from .capture import Capture
+
+
+def _signature(leaf) -> object:
+    if isinstance(leaf, torch.Tensor):
+        return (leaf.dtype, leaf.shape, leaf.device, leaf.requires_grad)
+    try:
+        hash(leaf)
+    except TypeError:
+        return (type(leaf), id(leaf))
+    return (type(leaf), leaf)
+
+
+class OrtModule(torch.nn.Module):
+    """Wraps `module` so that ONNX Runtime runs its forward and backward graphs, with every
+    autograd.Function it calls run by PyTorch as a PythonOp (forward) and PythonOpGrad
+    (backward). Parameters and buffers stay the module's own: optimizers, state_dict and
+    `.grad` work as in eager mode.
+
+    A graph is captured for each signature of the arguments (tensor dtypes, shapes, devices and
+    requires_grad; other values), train/eval mode and grad mode, on first use. Under
+    torch.no_grad (or when nothing needs a gradient) an inference graph runs, which keeps no
+    autograd context. `all_functions=False` keeps only Functions registered with
+    ortbridge.register as PythonOp nodes (others are traced into ONNX ops); by default every
+    Function the module calls is registered, under its qualified name.
+    """
+
+    def __init__(self, module: torch.nn.Module, *, all_functions: bool = True):
+        super().__init__()
+        self.module = module
+        self.all_functions = all_functions
+        self._captures: dict = {}
+
+    def forward(self, *args, **kwargs):
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        key = (self.module.training, torch.is_grad_enabled(), spec, tuple(_signature(x) for x in leaves),
+               tuple(p.requires_grad for p in self.module.parameters()))
+        capture = self._captures.get(key)
+        if capture is None:
+            capture = self._captures[key] = Capture(self.module, args, kwargs, self.all_functions)
+        return capture([x for x in leaves if isinstance(x, torch.Tensor)])
+
+    # The wrapped module's names, as a checkpoint of either expects.
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if assign:  # new Parameter objects: the captured graphs hold the old ones
+            self._captures.clear()
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
