@@ -134,13 +134,14 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
     for (const Constant& c : layout_.constants) {
       args[c.position] = c.kind == Constant::Kind::kLiteral ? literals[c.ints[0]] : ConstantValue(c);
     }
-    py::list positions, requires_grad;
+    py::list positions, requires_grad, updated;
     for (size_t i = 0; i < layout_.tensor_positions.size(); ++i) {
       positions.append(layout_.tensor_positions[i]);
       requires_grad.append(py::bool_(layout_.requires_grad[i]));
     }
+    for (auto [output, input] : layout_.in_place) updated.append(input);
     return Runner().attr("ForwardNode")(layout_.func_name, args, positions, requires_grad, layout_.training_mode,
-                                        layout_.safe_run_mode, layout_.output_tensor_types.size());
+                                        layout_.safe_run_mode, layout_.output_tensor_types.size(), updated);
   }
 };
 

@@ -97,7 +97,7 @@ def _forward_without_autograd(func: type, argument_count: int):
 
 class ForwardNode:
     def __init__(self, func_name: str, args: list, tensor_positions: list, requires_grad: list,
-                 training: bool, safe: bool, output_count: int):
+                 training: bool, safe: bool, output_count: int, updated: list = ()):
         self.func = registry.lookup(func_name)
         # How forward runs unless a functorch transform is active (which needs Function.apply):
         # apply without its pass-through wrapper, or forward itself with safe_run_mode=0.
@@ -107,6 +107,7 @@ class ForwardNode:
         self.args = args
         self.tensor_positions = tensor_positions
         self.requires_grad = requires_grad if any(requires_grad) else None
+        self.updated = set(updated)  # tensor inputs declared updated in place (tensor_reuse_map)
         self.training = training
         self.output_count = output_count
 
@@ -114,11 +115,11 @@ class ForwardNode:
         """(autograd context or None, one capsule per output[, indices of inputs modified in place])."""
         args = self.args.copy()
         tensors = list(map(_from_dlpack, capsules))
-        for position, tensor in zip(self.tensor_positions, tensors):
-            args[position] = tensor
         training = self.training
         if training:
             borrowed = self._prepare_training(tensors)
+        for position, tensor in zip(self.tensor_positions, tensors):
+            args[position] = tensor
         grad_was_enabled = _is_grad_enabled()
         if grad_was_enabled != training:
             _set_grad_enabled(training)
@@ -148,12 +149,15 @@ class ForwardNode:
         return tuple(result)
 
     def _prepare_training(self, tensors: list) -> set:
-        """Flags the inputs that need gradients and installs the saved-tensor hooks; returns the
-        addresses of ORT's input buffers."""
+        """Flags the inputs that need gradients (those updated in place become copies) and
+        installs the saved-tensor hooks; returns the addresses of ORT's input buffers."""
         if self.requires_grad:
-            for tensor, flag in zip(tensors, self.requires_grad):
+            for i, flag in enumerate(self.requires_grad):
                 if flag:
-                    tensor.requires_grad_()
+                    tensors[i].requires_grad_()
+                    if i in self.updated:  # autograd refuses in-place updates of a leaf that requires grad
+                        with torch.enable_grad():
+                            tensors[i] = tensors[i].clone()
         # Inputs view ORT buffers that ORT reuses after this call: whatever the Function saves
         # for backward from them must be a copy. Other saved tensors are kept detached, which
         # also breaks the cycle output -> node -> saved output.

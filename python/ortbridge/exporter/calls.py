@@ -288,15 +288,21 @@ class Recorder:
             return original(*args, **kwargs)
         args = bind(func, args, kwargs)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        versions = [t._version for t in tensors]
+        versions = [_version(t) for t in tensors]
         self._depth += 1
         try:
             result = original(*args)
         finally:
             self._depth -= 1
-        updated = [i for i, (t, v) in enumerate(zip(tensors, versions)) if t._version != v]
+        updated = [i for i, (t, v) in enumerate(zip(tensors, versions)) if _version(t) != v]
         self.calls.append(Call(func, name, args, result, self.training, updated))
         return result
+
+
+def _version(t: torch.Tensor) -> int:
+    """The tensor's in-place update count; inference tensors keep none (and are never updated
+    in place outside inference mode)."""
+    return 0 if t.is_inference() else t._version
 
 
 _MISSING = object()

@@ -21,6 +21,13 @@ from ..exporter.calls import CallTable, Recorder, apply_replaced
 from . import ops
 from .graph import GraphSession
 
+aten = torch.ops.aten
+# Operators torch's ONNX exporter writes wrongly for training, traced as the operators they are
+# made of instead: batch norm in training mode became BatchNormalization in inference mode.
+_DECOMPOSITIONS = torch._decomp.get_decompositions([
+    aten._native_batch_norm_legit_functional, aten._native_batch_norm_legit, aten.native_batch_norm,
+    aten.native_batch_norm_backward])
+
 
 class _Tensor:
     """Marks where a tensor goes in a flattened argument list."""
@@ -63,13 +70,6 @@ def _python_op_apply(table: CallTable):
     return apply
 
 
-def _compiler(training: bool):
-    def compile_graph(gm: torch.fx.GraphModule, example_inputs) -> GraphSession:
-        return GraphSession(gm, training)
-
-    return compile_graph
-
-
 class Capture:
     """The module captured for one signature of (args, kwargs): call it with their tensors."""
 
@@ -77,13 +77,22 @@ class Capture:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         self.flat = _Flat(module, spec, leaves)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        recorder = Recorder(all_functions, training=True)
+        recorder = Recorder(all_functions, training=torch.is_grad_enabled())
         recorder.run(module, args, kwargs)
         table = CallTable(recorder.calls)
+        self.sessions: list[GraphSession] = []  # forward or inference graph, then backward graph
         with apply_replaced(table.functions, _python_op_apply(table)):
-            self.compiled = aot_module_simplified(self.flat, tensors, fw_compiler=_compiler(True),
-                                                  bw_compiler=_compiler(False),
-                                                  inference_compiler=_compiler(False))
+            self.compiled = aot_module_simplified(self.flat, tensors, fw_compiler=self._compiler(training=True),
+                                                  bw_compiler=self._compiler(training=False),
+                                                  inference_compiler=self._compiler(training=False),
+                                                  decompositions=_DECOMPOSITIONS)
+
+    def _compiler(self, training: bool):
+        def compile_graph(gm: torch.fx.GraphModule, example_inputs) -> GraphSession:
+            self.sessions.append(GraphSession(gm, training))
+            return self.sessions[-1]
+
+        return compile_graph
 
     def __call__(self, tensors: list) -> object:
         return self.flat.result(self.compiled(*tensors))

@@ -83,6 +83,17 @@ class GraphSession:
                 if r not in computed:
                     computed.append(r)
                 self.sources.append(("onnx", computed.index(r)))
+        # Every context id leaves the graph in a tensor that owns it: one backward does not need
+        # (its Function's outputs were not differentiable here) is released after the run.
+        for node in list(graph.nodes):
+            if training and node.target is _PYTHON_OP:
+                ids = [u for u in node.users if _is_context_id(u)]
+                if not ids:
+                    with graph.inserting_after(node):
+                        ids = [graph.call_function(operator.getitem, (node, 0))]
+                        ids[0].meta["val"] = node.meta["val"][0]
+                if ids[0] not in computed:
+                    computed.append(ids[0])
         self.outputs = [(n.meta["val"].dtype, tuple(n.meta["val"].shape), _is_context_id(n)) for n in computed]
         for node in graph.nodes:
             if node.target is _PYTHON_OP:
@@ -93,7 +104,8 @@ class GraphSession:
         graph.eliminate_dead_code()
         gm.recompile()
         example = tuple(torch.zeros(p.meta["val"].shape, dtype=p.meta["val"].dtype) for p in placeholders)
-        with _quiet_exporter():
+        # (under dynamo, the fake mode of its trace is still current)
+        with _quiet_exporter(), torch._subclasses.fake_tensor.unset_fake_temporarily():
             program = torch.export.export(gm, example, strict=False)
             self.model = torch.onnx.export(program, example, dynamo=True, verbose=False).model_proto
         _spread_gradient_outputs(self.model.graph)
@@ -105,6 +117,12 @@ class GraphSession:
                                f"outputs, the captured one {len(placeholders)} and {len(computed)}")
 
     def __call__(self, args: list) -> list:
+        if torch.is_inference_mode_enabled():  # Functions see normal tensors, as in an ORT session of their own
+            with torch.inference_mode(False):
+                return self._run(args)
+        return self._run(args)
+
+    def _run(self, args: list) -> list:
         binding = self.session.io_binding()
         inputs = [t.contiguous() for t in args]  # (kept alive until the run is done)
         args.clear()  # the boxed convention: the callee may free its inputs early

@@ -1,0 +1,449 @@
+"""OrtModule and the torch.compile backend against eager PyTorch: outputs, losses, parameter
+and input gradients over several optimizer steps, one scenario per test; then contexts and
+memory, re-capture, errors."""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+
+import ortbridge
+import training_functions as tf
+from training_functions import Apply
+
+F = torch.nn.functional
+
+
+def _leaves(out) -> list:
+    return [x for x in torch.utils._pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+
+
+def _loss(out) -> torch.Tensor:
+    """A loss that weighs every element differently, over the float outputs."""
+    floats = [o for o in _leaves(out) if o.is_floating_point() and o.requires_grad]
+    return sum((o * torch.cos(torch.arange(o.numel(), dtype=o.dtype)).reshape(o.shape)).sum() for o in floats)
+
+
+def _assert_close(actual, expected, what: str):
+    assert type(actual) is type(expected), what
+    a, e = _leaves(actual), _leaves(expected)
+    assert len(a) == len(e), what
+    for x, y in zip(a, e):
+        assert x.dtype == y.dtype and x.shape == y.shape, what
+        torch.testing.assert_close(x.detach(), y.detach(), rtol=1e-4, atol=1e-5, msg=what)
+
+
+def _inputs(step: int, shape=(5, 4), requires_grad=True) -> tuple:
+    g = torch.Generator().manual_seed(100 + step)
+    return (torch.randn(*shape, generator=g).requires_grad_(requires_grad),)
+
+
+def train_like_eager(model: torch.nn.Module, make_inputs=_inputs, steps: int = 3, calls: int = 1, wrap=None):
+    """Trains `model` and an ortbridge copy side by side with SGD; after every step outputs,
+    loss, gradients of every parameter and input, and parameters are equal, and no context is
+    left. Returns the wrapped copy."""
+    eager = model
+    wrapped = (wrap or ortbridge.OrtModule)(copy.deepcopy(model))
+    inner = getattr(wrapped, "module", getattr(wrapped, "_orig_mod", wrapped))
+    opt_eager = torch.optim.SGD(eager.parameters(), lr=0.05, momentum=0.9)
+    opt_wrapped = torch.optim.SGD(wrapped.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        losses = []
+        for m in (eager, wrapped):
+            inputs = [copy.deepcopy(x) for k in range(calls) for x in make_inputs(step * calls + k)]
+            per_call = len(inputs) // calls
+            outs = [m(*inputs[k * per_call:(k + 1) * per_call]) for k in range(calls)]
+            loss = sum(_loss(o) for o in outs)
+            loss.backward()
+            losses.append((outs, loss, inputs))
+        (out_e, loss_e, in_e), (out_w, loss_w, in_w) = losses
+        assert ortbridge.context_pool_size() == 0, f"step {step}: contexts left after backward"
+        _assert_close(out_w, out_e, f"step {step}: outputs")
+        _assert_close(loss_w, loss_e, f"step {step}: loss")
+        for x, y in zip(in_w, in_e):
+            if isinstance(y, torch.Tensor) and y.requires_grad:
+                _assert_close(x.grad, y.grad, f"step {step}: input gradient")
+        for (name, p), q in zip(eager.named_parameters(), inner.parameters()):
+            assert (p.grad is None) == (q.grad is None), f"step {step}: {name}.grad"
+            if p.grad is not None:
+                _assert_close(q.grad, p.grad, f"step {step}: {name}.grad")
+        opt_eager.step()
+        opt_wrapped.step()
+        opt_eager.zero_grad()
+        opt_wrapped.zero_grad()
+    for (name, p), q in zip(eager.named_parameters(), inner.parameters()):
+        _assert_close(q, p, f"parameter {name} after training")
+    return wrapped
+
+
+def _python_op_names(wrapped) -> set:
+    """The Functions each captured forward graph runs as PythonOp nodes."""
+    names = set()
+    for capture in wrapped._captures.values():
+        for session in capture.sessions:
+            for node in session.model.graph.node:
+                if node.op_type in ("PythonOp", "PythonOpGrad"):
+                    names.add((node.op_type, next(a.s.decode() for a in node.attribute if a.name == "func_name")))
+    return names
+
+
+# --- parity scenarios -------------------------------------------------------------------------
+
+def test_bias_gelu_with_a_parameter_consumed_inside_the_model():
+    torch.manual_seed(0)
+    model = Apply(lambda m, h: tf.BiasGelu.apply(h, m.bias), bias=torch.nn.Parameter(torch.randn(6)))
+    wrapped = train_like_eager(model)
+    name = ortbridge.registry.registered_name(tf.BiasGelu)
+    assert _python_op_names(wrapped) == {("PythonOp", name), ("PythonOpGrad", name)}
+
+
+def test_function_output_returned_from_the_model():
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 6)
+            self.bias = torch.nn.Parameter(torch.randn(6))
+
+        def forward(self, x):
+            return tf.BiasGelu.apply(self.linear(x), self.bias)
+
+    torch.manual_seed(0)
+    train_like_eager(Model())
+
+
+def test_two_forward_calls_before_one_backward():
+    torch.manual_seed(0)
+    model = Apply(lambda m, h: tf.BiasGelu.apply(h, m.bias), bias=torch.nn.Parameter(torch.randn(6)))
+    train_like_eager(model, calls=2)
+
+
+def test_identity_passing_the_gradient_through():
+    torch.manual_seed(0)
+    train_like_eager(Apply(lambda m, h: tf.Identity.apply(h)))
+
+
+def test_constants_on_ctx_keep_type_and_value():
+    torch.manual_seed(0)
+    train_like_eager(Apply(lambda m, h: tf.Constants.apply(h, 0.1, True, 3, (1, 2))))
+
+
+def test_tensor_not_first_and_a_string_argument():
+    torch.manual_seed(0)
+    model = Apply(lambda m, h: tf.TensorNotFirst.apply(0.5, h, m.shift, "double") +
+                  tf.TensorNotFirst.apply(0.25, h, m.shift, "triple"), shift=torch.nn.Parameter(torch.randn(6)))
+    train_like_eager(model)
+
+
+def test_none_gradient_for_a_parameter_arrives_as_zeros():
+    """The backward graph is fixed at capture: a gradient slot for each input that requires one.
+    A backward returning None there gives zeros, where eager PyTorch leaves .grad None."""
+    torch.manual_seed(0)
+    wrapped = ortbridge.OrtModule(Apply(lambda m, h: tf.Constants.apply(h, 0.1, True, 3, (1, 2)) + 0 * m.unused,
+                                        unused=torch.nn.Parameter(torch.ones(6))))
+    wrapped(torch.randn(5, 4)).sum().backward()
+    assert wrapped.module.unused.grad is not None and not wrapped.module.unused.grad.any()
+
+
+def test_two_outputs_with_a_hand_written_jacobian():
+    torch.manual_seed(0)
+    model = Apply(lambda m, h: torch.cat(tf.TwoOutputs.apply(h, m.y.expand_as(h)), dim=1),
+                  y=torch.nn.Parameter(torch.randn(6)))
+    model.outer = torch.nn.Linear(12, 3)
+    train_like_eager(model)
+
+
+def test_pass_through_int64_buffer_output():
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 6)
+            self.register_buffer("counts", torch.arange(6, dtype=torch.int64))
+
+        def forward(self, x):
+            y, counts = tf.WithCounts.apply(self.linear(x), self.counts)
+            return y * counts, counts
+
+    torch.manual_seed(0)
+    train_like_eager(Model())
+
+
+@pytest.mark.parametrize("materialize", [True, False])
+def test_unused_output_and_materialize_grads(materialize):
+    func = tf.make_unused_output(materialize)
+    torch.manual_seed(0)
+    train_like_eager(Apply(lambda m, h: func.apply(h)[0]))
+
+
+def test_function_whose_forward_calls_a_submodule():
+    torch.manual_seed(0)
+    model = Apply(lambda m, h: tf.RunsSubmodule.apply(h, m.sub), sub=torch.nn.Sequential(
+        torch.nn.Linear(6, 6), torch.nn.Tanh()))
+    train_like_eager(model)
+
+
+def test_one_input_shared_by_two_calls():
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.b1 = torch.nn.Parameter(torch.randn(4))
+            self.b2 = torch.nn.Parameter(torch.randn(4))
+
+        def forward(self, x):
+            return tf.BiasGelu.apply(x, self.b1) * tf.BiasGelu.apply(x, self.b2)
+
+    torch.manual_seed(0)
+    train_like_eager(Model())
+
+
+def test_non_differentiable_function_backward_never_runs():
+    tf.NotDifferentiable.backward_calls = 0
+    torch.manual_seed(0)
+    train_like_eager(Apply(lambda m, h: h * tf.NotDifferentiable.apply(h)))
+    assert tf.NotDifferentiable.backward_calls == 0
+
+
+def test_ten_stacked_layers_saving_their_input():
+    torch.manual_seed(0)
+    wrapped = train_like_eager(tf.Stacked())
+    (capture,) = wrapped._captures.values()
+    forward = capture.sessions[0].model.graph
+    assert sum(n.op_type == "PythonOp" for n in forward.node) == 10
+
+
+def test_two_functions_with_the_same_class_name():
+    torch.manual_seed(0)
+    wrapped = train_like_eager(Apply(lambda m, h: tf.Second.Twin.apply(tf.First.Twin.apply(h))))
+    names = {name for op, name in _python_op_names(wrapped) if op == "PythonOp"}
+    assert len(names) == 2 and all(n.endswith(".Twin") for n in names)
+
+
+def test_function_returning_a_detached_parameter():
+    torch.manual_seed(0)
+    train_like_eager(Apply(lambda m, h: h * tf.Detached.apply(m.w), w=torch.nn.Parameter(torch.randn(6))))
+
+
+def test_in_place_update_with_mark_dirty():
+    torch.manual_seed(0)
+    train_like_eager(Apply(lambda m, h: tf.DoubleInPlace.apply(h * 1.0)))
+
+
+def test_numpy_function():
+    torch.manual_seed(0)
+    train_like_eager(Apply(lambda m, h: tf.NumpyScale.apply(h, 1.5)))
+
+
+def test_model_keyword_arguments_and_tuple_outputs():
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x, *, scale, extra=None):
+            y = tf.Identity.apply(self.linear(x)) * scale
+            return {"y": y, "sum": y + extra, "label": "constant"}
+
+    class Caller(torch.nn.Module):  # the test helper calls models positionally
+        def __init__(self):
+            super().__init__()
+            self.model = Model()
+
+        def forward(self, x, extra):
+            return self.model(x, scale=2.0, extra=extra)
+
+    torch.manual_seed(0)
+    model = Model()
+    wrapped = ortbridge.OrtModule(copy.deepcopy(model))
+    x, extra = torch.randn(3, 4), torch.randn(3, 4)
+    out_e, out_w = model(x, scale=2.0, extra=extra), wrapped(x, scale=2.0, extra=extra)
+    assert out_w["label"] == "constant"
+    _assert_close(out_w["sum"], out_e["sum"], "keyword-argument output")
+    del out_w  # (its graph holds a context until then)
+    train_like_eager(Caller(), make_inputs=lambda step: _inputs(step, (3, 4)) + _inputs(step + 50, (3, 4), False))
+
+
+def test_batch_norm_and_dropout_buffers_and_eval_mode():
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 6)
+            self.norm = torch.nn.BatchNorm1d(6)
+            self.drop = torch.nn.Dropout(0.5)
+            self.bias = torch.nn.Parameter(torch.randn(6))
+
+        def forward(self, x):
+            return self.drop(tf.BiasGelu.apply(self.norm(self.linear(x)), self.bias))
+
+    torch.manual_seed(0)
+    model = Model()
+    model.drop.p = 0.0  # (ONNX Runtime draws other random numbers than torch)
+    wrapped = train_like_eager(model)
+    torch.testing.assert_close(wrapped.module.norm.running_mean, model.norm.running_mean)
+    torch.testing.assert_close(wrapped.module.norm.running_var, model.norm.running_var)
+    model.drop.p = wrapped.module.drop.p = 0.5
+    model.eval()
+    wrapped.eval()
+    x = torch.randn(5, 4)
+    with torch.no_grad():
+        _assert_close(wrapped(x), model(x), "eval mode under no_grad")
+        assert ortbridge.context_pool_size() == 0
+    out = wrapped(x)  # eval mode, gradients on: as in eager, the output has them
+    _assert_close(out, model(x), "eval mode with gradients")
+    out.sum().backward()
+    assert ortbridge.context_pool_size() == 0
+
+
+# --- contexts and memory ----------------------------------------------------------------------
+
+def _bias_gelu_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return ortbridge.OrtModule(Apply(lambda m, h: tf.BiasGelu.apply(h, m.bias), bias=torch.nn.Parameter(torch.randn(6))))
+
+
+def test_context_kept_until_backward_and_released_when_the_graph_is_dropped():
+    wrapped = _bias_gelu_model()
+    out = wrapped(torch.randn(5, 4))
+    assert ortbridge.context_pool_size() == 1
+    out.sum().backward()
+    assert ortbridge.context_pool_size() == 0
+    out = wrapped(torch.randn(5, 4))  # forward only, with gradients on: no backward will run
+    assert ortbridge.context_pool_size() == 1
+    del out
+    assert ortbridge.context_pool_size() == 0
+
+
+def test_forward_only_loops_keep_no_contexts():
+    wrapped = _bias_gelu_model()
+    with torch.no_grad():
+        for _ in range(20):
+            wrapped(torch.randn(5, 4))
+            assert ortbridge.context_pool_size() == 0
+    wrapped.eval()
+    with torch.inference_mode():
+        wrapped(torch.randn(5, 4))
+    assert ortbridge.context_pool_size() == 0
+
+
+def test_thousand_steps_keep_memory_flat():
+    psutil = pytest.importorskip("psutil", reason="psutil (the test extra) measures process memory")
+    wrapped = _bias_gelu_model()
+    opt = torch.optim.AdamW(wrapped.parameters())
+    x = torch.randn(64, 4)
+
+    def steps(n):
+        for _ in range(n):
+            wrapped(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            assert ortbridge.context_pool_size() == 0
+
+    steps(100)  # warm up: capture, allocator pools
+    gc.collect()
+    before, objects = psutil.Process().memory_info().rss, len(gc.get_objects())
+    steps(1000)
+    gc.collect()
+    grown = psutil.Process().memory_info().rss - before
+    assert grown < 8 * 2 ** 20, f"RSS grew by {grown / 2 ** 20:.1f} MiB over 1,000 steps"
+    assert len(gc.get_objects()) - objects < 500
+
+
+# --- capture ----------------------------------------------------------------------------------
+
+def test_recapture_when_the_signature_changes_only():
+    wrapped = _bias_gelu_model()
+    for shape in ((5, 4), (5, 4), (7, 4), (2, 3, 4)):
+        x = torch.randn(*shape)
+        _assert_close(wrapped(x), wrapped.module(x), f"shape {shape}")
+    assert len(wrapped._captures) == 3  # (5, 4) twice: one capture
+    wrapped.double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    _assert_close(wrapped(x), wrapped.module(x), "float64")
+    wrapped.eval()
+    with torch.no_grad():
+        wrapped(x)
+    assert len(wrapped._captures) == 5
+
+
+def test_state_dict_and_attributes_are_the_module_s():
+    wrapped = _bias_gelu_model()
+    assert list(wrapped.state_dict()) == list(wrapped.module.state_dict())
+    other = _bias_gelu_model()
+    with torch.no_grad():
+        other.module.bias.add_(1)
+    wrapped.load_state_dict(other.state_dict())
+    torch.testing.assert_close(wrapped.bias, other.module.bias)  # attribute of the wrapped module
+    x = torch.randn(5, 4)
+    _assert_close(wrapped(x), other.module(x), "after load_state_dict")
+
+
+def test_only_registered_functions_with_all_functions_false():
+    torch.manual_seed(0)
+    model = Apply(lambda m, h: tf.SiLUSavingInput.apply(h))
+    ortbridge.unregister(tf.SiLUSavingInput) if ortbridge.registry.registered_name(tf.SiLUSavingInput) else None
+    wrapped = train_like_eager(model, wrap=lambda m: ortbridge.OrtModule(m, all_functions=False))
+    assert _python_op_names(wrapped) == set()  # traced into ONNX operators instead
+    assert ortbridge.registry.registered_name(tf.SiLUSavingInput) is None
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+def test_function_error_in_forward_and_backward_leaves_no_context():
+    torch.manual_seed(0)
+    wrapped = ortbridge.OrtModule(Apply(lambda m, h: tf.FailsOnRequest.apply(h)))
+    x = torch.randn(5, 4)
+    wrapped(x).sum().backward()  # captured
+    tf.FailsOnRequest.fail_forward = True
+    try:
+        with pytest.raises(Exception, match="forward failed on request"):
+            wrapped(x)
+    finally:
+        tf.FailsOnRequest.fail_forward = False
+    assert ortbridge.context_pool_size() == 0
+    out = wrapped(x)
+    tf.FailsOnRequest.fail_backward = True
+    try:
+        with pytest.raises(Exception, match="backward failed on request"):
+            out.sum().backward()
+    finally:
+        tf.FailsOnRequest.fail_backward = False
+    del out
+    assert ortbridge.context_pool_size() == 0
+    wrapped(x).sum().backward()  # the module still trains
+
+
+def test_function_returning_another_shape_than_in_the_capture_is_an_error():
+    class Growing(torch.autograd.Function):
+        size = 3
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.new_ones(Growing.size)
+
+        @staticmethod
+        def backward(ctx, g):
+            return None
+
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            return Growing.apply(x) * 2
+
+    wrapped = ortbridge.OrtModule(Model())
+    x = torch.randn(3)
+    wrapped(x)
+    Growing.size = 4
+    with pytest.raises(Exception, match="shape|Shape"):
+        wrapped(x)
+    assert ortbridge.context_pool_size() == 0
+
+
+# --- torch.compile ----------------------------------------------------------------------------
+
+def test_torch_compile_backend():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Apply(lambda m, h: tf.NumpyScale.apply(tf.BiasGelu.apply(h, m.bias), 1.5),
+                  bias=torch.nn.Parameter(torch.randn(6)))
+    compiled = train_like_eager(model, wrap=lambda m: torch.compile(m, backend="ortbridge"))
+    assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
