@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.utils._pytree as pytree
 from torch._functorch.aot_autograd import aot_module_simplified
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..exporter.calls import CallTable, Recorder, apply_replaced
 from . import ops
@@ -24,9 +25,23 @@ from .graph import GraphSession
 aten = torch.ops.aten
 # Operators torch's ONNX exporter writes wrongly for training, traced as the operators they are
 # made of instead: batch norm in training mode became BatchNormalization in inference mode.
+# (Likewise attention: the capture asks for the math kernel, as the fused ones' outputs saved
+# for backward got other shapes than torch's.)
 _DECOMPOSITIONS = torch._decomp.get_decompositions([
     aten._native_batch_norm_legit_functional, aten._native_batch_norm_legit, aten.native_batch_norm,
     aten.native_batch_norm_backward])
+
+
+def _select_backward(grad, input_sizes, dim, index):
+    """The gradient of x.select(dim, index) as a Pad of `grad`: ONNX Runtime runs the
+    ScatterElements torch's exporter writes for it (q, k, v of attention) many times slower."""
+    dim %= len(input_sizes)
+    index %= input_sizes[dim]
+    pad = [0, 0] * (len(input_sizes) - 1 - dim) + [index, input_sizes[dim] - 1 - index]
+    return aten.constant_pad_nd.default(grad.unsqueeze(dim), pad)
+
+
+_DECOMPOSITIONS[aten.select_backward.default] = _select_backward
 
 
 class _Tensor:
@@ -81,7 +96,7 @@ class Capture:
         recorder.run(module, args, kwargs)
         table = CallTable(recorder.calls)
         self.sessions: list[GraphSession] = []  # forward or inference graph, then backward graph
-        with apply_replaced(table.functions, _python_op_apply(table)):
+        with apply_replaced(table.functions, _python_op_apply(table)), sdpa_kernel(SDPBackend.MATH):
             self.compiled = aot_module_simplified(self.flat, tensors, fw_compiler=self._compiler(training=True),
                                                   bw_compiler=self._compiler(training=False),
                                                   inference_compiler=self._compiler(training=False),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import operator
 
 import onnx
+import onnxruntime as ort
 import torch
 
 from .. import _C, _dtypes, runtime
@@ -48,6 +49,17 @@ def _spread_gradient_outputs(graph: onnx.GraphProto) -> None:
             produced = iter(list(node.output))
             del node.output[:]
             node.output.extend(next(produced) if w else "" for w in wanted)
+
+
+def _session_options() -> ort.SessionOptions:
+    """As many threads as torch uses, which sleep between runs: torch runs in between (the
+    Functions, the optimizer, the rest of the step), and ORT's default spinning threads would
+    take its cores."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()
+    options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return options
 
 
 def _is_context_id(node: torch.fx.Node) -> bool:
@@ -109,7 +121,8 @@ class GraphSession:
             program = torch.export.export(gm, example, strict=False)
             self.model = torch.onnx.export(program, example, dynamo=True, verbose=False).model_proto
         _spread_gradient_outputs(self.model.graph)
-        self.session = runtime.InferenceSession(self.model.SerializeToString(), providers=["CPUExecutionProvider"])
+        self.session = runtime.InferenceSession(self.model.SerializeToString(), _session_options(),
+                                                providers=["CPUExecutionProvider"])
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
         if len(self.input_names) != len(placeholders) or len(self.output_names) != len(computed):
