@@ -1,5 +1,8 @@
-"""Export a model whose forward calls a custom autograd.Function, run it in ONNX Runtime, and
-compare with eager PyTorch."""
+"""A model whose forward calls a custom autograd.Function: export it and run it in ONNX Runtime,
+then train it with ONNX Runtime running the forward and backward graphs; both compared with
+eager PyTorch."""
+
+import copy
 
 import numpy as np
 import torch
@@ -33,7 +36,7 @@ class Model(torch.nn.Module):
         return ScaledGelu.apply(self.linear(x), 1.702) * 2
 
 
-def main():
+def inference():
     torch.manual_seed(0)
     model = Model().eval()
     # Exported once with a dynamic batch dim, run below at another batch size.
@@ -49,5 +52,26 @@ def main():
     assert np.allclose(ort_out, eager_out, atol=1e-6), "ORT and eager PyTorch disagree"
 
 
+def training(steps=5):
+    torch.manual_seed(0)
+    eager = Model()
+    model = ortbridge.OrtModule(copy.deepcopy(eager))  # ORT runs forward and backward; ScaledGelu runs in torch
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.05) for m in (model, eager)]
+    x, y = torch.randn(16, 8), torch.randn(16, 6)
+    print("step  OrtModule loss  eager loss")
+    for step in range(steps):
+        losses = []
+        for m, opt in zip((model, eager), optimizers):
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        print(f"{step:4d}  {losses[0]:14.6f}  {losses[1]:10.6f}")
+        assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[1]) + 1e-6, "OrtModule and eager PyTorch disagree"
+    assert ortbridge.context_pool_size() == 0
+
+
 if __name__ == "__main__":
-    main()
+    inference()
+    training()

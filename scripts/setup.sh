@@ -26,5 +26,5 @@ $PYTHON -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 $PYTHON -m pip install -q scikit-build-core pybind11 ninja
 $PYTHON -m pip install -q --no-build-isolation -e ".[test]"
 
-# The main job: export, run in ORT, compare with eager PyTorch.
+# The main job: export, run in ORT, train a few steps with OrtModule; each compared with eager PyTorch.
 (cd examples && $PYTHON quickstart.py)
