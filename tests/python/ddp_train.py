@@ -38,7 +38,11 @@ def worker(rank: int, port: int) -> None:
         local.zero_grad()
         local.load_state_dict(eager.module.state_dict())
     assert ortbridge.context_pool_size() == 0
-    print(f"rank {rank}: max gradient difference {worst:.3g}, all-reduced {averaged}", flush=True)
+    results = [None] * WORLD
+    dist.all_gather_object(results, (worst, averaged))
+    if rank == 0:  # one process prints, so that the lines do not interleave
+        for r, (difference, reduced) in enumerate(results):
+            print(f"rank {r}: max gradient difference {difference:.3g}, all-reduced {reduced}")
     dist.destroy_process_group()
 
 
