@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.utils._pytree as pytree
 from torch._functorch.aot_autograd import aot_module_simplified
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..exporter.calls import CallTable, Recorder, apply_replaced
@@ -85,10 +87,22 @@ def _python_op_apply(table: CallTable):
     return apply
 
 
-class Capture:
-    """The module captured for one signature of (args, kwargs): call it with their tensors."""
+def _dynamic_fakes(tensors: list) -> tuple[list, ShapeEnv]:
+    """Fake tensors whose every dim is a symbol of its own (sizes 0 and 1 stay static, as torch
+    specializes them), in a fake mode of their own."""
+    shape_env = ShapeEnv(duck_shape=False)  # equal example sizes are not assumed equal later
+    mode = FakeTensorMode(shape_env=shape_env)
+    fakes = [mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.DYNAMIC] * t.dim())) for t in tensors]
+    return fakes, shape_env
 
-    def __init__(self, module: torch.nn.Module, args: tuple, kwargs: dict, all_functions: bool):
+
+class Capture:
+    """The module captured for one signature of (args, kwargs): call it with their tensors.
+    With `dynamic`, tensor sizes are symbols: the capture serves every call its guards accept
+    (the relations between sizes that the trace relied on)."""
+
+    def __init__(self, module: torch.nn.Module, args: tuple, kwargs: dict, all_functions: bool, dynamic: bool):
         leaves, spec = pytree.tree_flatten((args, kwargs))
         self.flat = _Flat(module, spec, leaves)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -96,11 +110,25 @@ class Capture:
         recorder.run(module, args, kwargs)
         table = CallTable(recorder.calls)
         self.sessions: list[GraphSession] = []  # forward or inference graph, then backward graph
+        self._guards = None
+        if dynamic:
+            tensors, shape_env = _dynamic_fakes(tensors)
         with apply_replaced(table.functions, _python_op_apply(table)), sdpa_kernel(SDPBackend.MATH):
             self.compiled = aot_module_simplified(self.flat, tensors, fw_compiler=self._compiler(training=True),
                                                   bw_compiler=self._compiler(training=False),
                                                   inference_compiler=self._compiler(training=False),
                                                   decompositions=_DECOMPOSITIONS)
+
+        if dynamic:
+            code = shape_env.produce_guards_expression(tensors, ignore_static=False)
+            self._guards = code and (compile(code, "<ortbridge guards>", "eval"), shape_env)
+
+    def accepts(self, tensors: list) -> bool:
+        """Whether the capture serves these tensors (always, for a static one: its key matched)."""
+        if not self._guards:
+            return True
+        code, shape_env = self._guards
+        return shape_env.evaluate_guards_expression(code, tensors)
 
     def _compiler(self, training: bool):
         def compile_graph(gm: torch.fx.GraphModule, example_inputs) -> GraphSession:

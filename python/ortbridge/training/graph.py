@@ -9,11 +9,16 @@ that release their context when torch frees them.
 
 from __future__ import annotations
 
+import functools
+import math
 import operator
 
 import onnx
 import onnxruntime as ort
+import sympy
 import torch
+from torch.utils._sympy.functions import FloorDiv
+from torch.utils._sympy.printers import PythonPrinter
 
 from .. import _C, _dtypes, runtime
 from ..exporter import _quiet_exporter
@@ -24,20 +29,83 @@ _PYTHON_OP = torch.ops.ortbridge.python_op.default
 _PYTHON_OP_GRAD = torch.ops.ortbridge.python_op_grad.default
 
 
-def _forward_node(inputs: list, index: int, training: bool) -> list:
+def _forward_node(inputs: list, index: int, training: bool, shapes: list) -> list:
     traced = ops.traced_call(index)
     return list(torch.onnx.ops.symbolic_multi_out(
         f"{DOMAIN}::PythonOp", list(inputs), traced.forward_attrs(training),
-        dtypes=[torch.int64, *traced.call.output_dtypes], shapes=[[], *traced.call.output_shapes], version=1))
+        dtypes=[torch.int64, *traced.call.output_dtypes], shapes=[[], *shapes], version=1))
 
 
-def _backward_node(context, grads: list, index: int) -> list:
+def _backward_node(context, grads: list, index: int, shapes: list) -> list:
     traced = ops.traced_call(index)
-    wanted = traced.wanted_gradients()
     return list(torch.onnx.ops.symbolic_multi_out(
         f"{DOMAIN}::PythonOpGrad", [context, *(g for g in grads if g is not None)],
         traced.backward_attrs([g is not None for g in grads]),
-        dtypes=[traced.input_dtypes[i] for i in wanted], shapes=[traced.input_shapes[i] for i in wanted], version=1))
+        dtypes=[traced.input_dtypes[i] for i in traced.wanted_gradients()], shapes=shapes, version=1))
+
+
+_ARITHMETIC = {sympy.Add: operator.add, sympy.Mul: operator.mul, FloorDiv: operator.floordiv}
+
+
+class _Sizes:
+    """The graph's sizes: an int, or (with dynamic shapes) a symbol read from a dim of a tensor
+    input; in the graph for torch's exporter (sym_size nodes), and at run time from the inputs'
+    shapes (output shapes, sizes the graph outputs)."""
+
+    def __init__(self, graph: torch.fx.Graph, placeholders: list):
+        self.graph = graph
+        self.placeholders = placeholders
+        self.sources = {}  # symbol -> (placeholder index, dim)
+        for k, p in enumerate(placeholders):
+            if isinstance(p.meta["val"], torch.Tensor):
+                for d, size in enumerate(p.meta["val"].shape):
+                    if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                        self.sources.setdefault(size.node.expr, (k, d))
+        self._nodes = {}
+        self._body = next(n for n in graph.nodes if n.op != "placeholder")  # new nodes go before it, in order
+
+    def in_graph(self, size):
+        """`size` for a node's arguments: an int, or a node computing it from the inputs' dims."""
+        return self._expr_in_graph(size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size))
+
+    def _expr_in_graph(self, expr):
+        if expr.is_number:
+            return int(expr)
+        if expr not in self._nodes:
+            if expr in self.sources:
+                k, d = self.sources[expr]
+                target, args = torch.ops.aten.sym_size.int, (self.placeholders[k], d)
+            elif type(expr) in _ARITHMETIC:
+                target, args = _ARITHMETIC[type(expr)], tuple(self._expr_in_graph(a) for a in expr.args)
+            else:
+                raise NotImplementedError(f"size {expr} is not computed from the dims of graph inputs; capture "
+                                          "with static shapes (dynamic=False)")
+            with self.graph.inserting_before(self._body):
+                if len(args) > 2:  # n-ary sums and products, two at a time
+                    args = (functools.reduce(lambda a, b: self.graph.call_function(target, (a, b)), args[:-1]),
+                            args[-1])
+                self._nodes[expr] = self.graph.call_function(target, args)
+        return self._nodes[expr]
+
+    def shapes_in_graph(self, tensors) -> list:
+        return [[self.in_graph(d) for d in t.shape] for t in tensors]
+
+    def at_run_time(self, sizes: list):
+        """A function of the graph's inputs giving `sizes` (nested lists of ints and SymInts) as
+        ints; None where every size is static."""
+        exprs = [[d.node.expr if isinstance(d, torch.SymInt) else d for d in shape] for shape in sizes]
+        symbols = sorted({sym for shape in exprs for d in shape if not isinstance(d, int)
+                          for sym in d.free_symbols}, key=str)
+        if not symbols:
+            return None
+        missing = [s for s in symbols if s not in self.sources]
+        if missing:
+            raise NotImplementedError(f"sizes {missing} are not dims of graph inputs")
+        printer = PythonPrinter()
+        body = ", ".join("(" + "".join(f"int({printer.doprint(d)})," for d in shape) + ")" for shape in exprs)
+        reads = ", ".join(f"args[{self.sources[s][0]}].shape[{self.sources[s][1]}]" for s in symbols)
+        compute = eval(f"lambda {', '.join(map(str, symbols))}: [{body}]", {"math": math})
+        return eval(f"lambda args: compute({reads})", {"compute": compute})
 
 
 def _spread_gradient_outputs(graph: onnx.GraphProto) -> None:
@@ -68,8 +136,8 @@ def _is_context_id(node: torch.fx.Node) -> bool:
 
 
 class GraphSession:
-    """Runs `gm` in ONNX Runtime: called with a list of tensors (AOTAutograd's boxed calling
-    convention), returns the graph's outputs."""
+    """Runs `gm` in ONNX Runtime: called with a list of tensors (and ints, for symbolic sizes;
+    AOTAutograd's boxed calling convention), returns the graph's outputs."""
 
     _boxed_call = True
 
@@ -78,19 +146,23 @@ class GraphSession:
         graph = gm.graph
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         for p in placeholders:
-            if p.meta["val"].device.type != "cpu":
+            if isinstance(p.meta["val"], torch.Tensor) and p.meta["val"].device.type != "cpu":
                 raise NotImplementedError(f"ortbridge training runs on the CPU; graph input {p.name} is on "
                                           f"{p.meta['val'].device}")
+        sizes = _Sizes(graph, placeholders)
         output = graph.output_node()
-        results = list(output.args[0])
-        # Each graph output: ("none",), ("input", k) or ("onnx", j).
+        # Each graph output: ("none",), ("input", k), ("size", j) or ("onnx", j).
         computed: list[torch.fx.Node] = []
+        size_outputs = []
         self.sources = []
-        for r in results:
+        for r in output.args[0]:
             if r is None:
                 self.sources.append(("none",))
-            elif r.op == "placeholder":
+            elif r.op == "placeholder" and isinstance(r.meta["val"], torch.Tensor):
                 self.sources.append(("input", placeholders.index(r)))
+            elif not isinstance(r.meta["val"], torch.Tensor):  # a size, for backward
+                self.sources.append(("size", len(size_outputs)))
+                size_outputs.append(r.meta["val"])
             else:
                 if r not in computed:
                     computed.append(r)
@@ -106,28 +178,35 @@ class GraphSession:
                         ids[0].meta["val"] = node.meta["val"][0]
                 if ids[0] not in computed:
                     computed.append(ids[0])
-        self.outputs = [(n.meta["val"].dtype, tuple(n.meta["val"].shape), _is_context_id(n)) for n in computed]
-        for node in graph.nodes:
+        self.outputs = [(n.meta["val"].dtype, _is_context_id(n)) for n in computed]
+        output_shapes = [list(n.meta["val"].shape) for n in computed]
+        self.output_shapes = sizes.at_run_time(output_shapes) or (lambda args, shapes=output_shapes: shapes)
+        self.size_outputs = sizes.at_run_time([size_outputs]) if size_outputs else None
+        for node in list(graph.nodes):
             if node.target is _PYTHON_OP:
-                node.target, node.args = _forward_node, (*node.args, training)
+                node.target = _forward_node
+                node.args = (*node.args, training, sizes.shapes_in_graph(node.meta["val"][1:]))
             elif node.target is _PYTHON_OP_GRAD:
                 node.target = _backward_node
+                node.args = (*node.args, sizes.shapes_in_graph(node.meta["val"]))
+        # Sizes given as inputs are read from the tensors instead: ONNX inputs are tensors.
+        self.tensor_inputs = [k for k, p in enumerate(placeholders) if isinstance(p.meta["val"], torch.Tensor)]
+        for p in placeholders:
+            if not isinstance(p.meta["val"], torch.Tensor):
+                p.replace_all_uses_with(sizes.in_graph(p.meta["val"]))
+                graph.erase_node(p)
         output.args = (tuple(computed),)
         graph.eliminate_dead_code()
         gm.recompile()
-        example = tuple(torch.zeros(p.meta["val"].shape, dtype=p.meta["val"].dtype) for p in placeholders)
-        # (under dynamo, the fake mode of its trace is still current)
-        with _quiet_exporter(), torch._subclasses.fake_tensor.unset_fake_temporarily():
-            program = torch.export.export(gm, example, strict=False)
-            self.model = torch.onnx.export(program, example, dynamo=True, verbose=False).model_proto
+        self.model = _export(gm, [placeholders[k].meta["val"] for k in self.tensor_inputs])
         _spread_gradient_outputs(self.model.graph)
         self.session = runtime.InferenceSession(self.model.SerializeToString(), _session_options(),
                                                 providers=["CPUExecutionProvider"])
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
-        if len(self.input_names) != len(placeholders) or len(self.output_names) != len(computed):
+        if len(self.input_names) != len(self.tensor_inputs) or len(self.output_names) != len(computed):
             raise RuntimeError(f"the exported graph has {len(self.input_names)} inputs and {len(self.output_names)} "
-                               f"outputs, the captured one {len(placeholders)} and {len(computed)}")
+                               f"outputs, the captured one {len(self.tensor_inputs)} and {len(computed)}")
 
     def __call__(self, args: list) -> list:
         if torch.is_inference_mode_enabled():  # Functions see normal tensors, as in an ORT session of their own
@@ -137,14 +216,31 @@ class GraphSession:
 
     def _run(self, args: list) -> list:
         binding = self.session.io_binding()
-        inputs = [t.contiguous() for t in args]  # (kept alive until the run is done)
+        inputs = [a.contiguous() if isinstance(a, torch.Tensor) else a for a in args]  # (alive until the run ends)
         args.clear()  # the boxed convention: the callee may free its inputs early
-        for name, t in zip(self.input_names, inputs):
+        for name, k in zip(self.input_names, self.tensor_inputs):
+            t = inputs[k]
             binding.bind_input(name, "cpu", 0, _dtypes.numpy_type(t.dtype), tuple(t.shape), t.data_ptr())
         outputs = [torch.from_dlpack(_C.context_id_capsule()) if is_context else torch.empty(shape, dtype=dtype)
-                   for dtype, shape, is_context in self.outputs]
+                   for (dtype, is_context), shape in zip(self.outputs, self.output_shapes(inputs))]
         for name, t in zip(self.output_names, outputs):
             binding.bind_output(name, "cpu", 0, _dtypes.numpy_type(t.dtype), tuple(t.shape), t.data_ptr())
         self.session.run_with_iobinding(binding)
-        return [None if s[0] == "none" else inputs[s[1]] if s[0] == "input" else outputs[s[1]]
-                for s in self.sources]
+        size_outputs = self.size_outputs(inputs)[0] if self.size_outputs else ()
+        by_kind = {"input": inputs, "size": size_outputs, "onnx": outputs}
+        return [None if s[0] == "none" else by_kind[s[0]][s[1]] for s in self.sources]
+
+
+def _export(gm: torch.fx.GraphModule, inputs: list) -> onnx.ModelProto:
+    """The graph as ONNX, its inputs' symbolic dims dynamic."""
+    example = tuple(torch.zeros([_hint(d) for d in t.shape], dtype=t.dtype) for t in inputs)
+    dynamic = tuple({d: torch.export.Dim.AUTO for d, size in enumerate(t.shape) if not isinstance(size, int)}
+                    for t in inputs)
+    # (under dynamo, the fake mode of its trace is still current)
+    with _quiet_exporter(), torch._subclasses.fake_tensor.unset_fake_temporarily():
+        program = torch.export.export(gm, example, dynamic_shapes=dynamic if any(dynamic) else None, strict=False)
+        return torch.onnx.export(program, example, dynamo=True, verbose=False).model_proto
+
+
+def _hint(size) -> int:
+    return size if isinstance(size, int) else size.node.hint

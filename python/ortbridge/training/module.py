@@ -8,9 +8,9 @@ import torch.utils._pytree as pytree
 from .capture import Capture
 
 
-def _signature(leaf) -> object:
+def _signature(leaf, dynamic: bool) -> object:
     if isinstance(leaf, torch.Tensor):
-        return (leaf.dtype, leaf.shape, leaf.device, leaf.requires_grad)
+        return (leaf.dtype, leaf.dim() if dynamic else leaf.shape, leaf.device, leaf.requires_grad)
     try:
         hash(leaf)
     except TypeError:
@@ -25,27 +25,34 @@ class OrtModule(torch.nn.Module):
     `.grad` work as in eager mode.
 
     A graph is captured for each signature of the arguments (tensor dtypes, shapes, devices and
-    requires_grad; other values), train/eval mode and grad mode, on first use. Under
+    requires_grad; other values), train/eval mode and grad mode, on first use. With
+    `dynamic=True` tensor sizes are symbols instead: a capture serves every call with sizes that
+    meet the relations its trace relied on (sizes 0 and 1 are specialized, as torch does). Under
     torch.no_grad (or when nothing needs a gradient) an inference graph runs, which keeps no
     autograd context. `all_functions=False` keeps only Functions registered with
     ortbridge.register as PythonOp nodes (others are traced into ONNX ops); by default every
     Function the module calls is registered, under its qualified name.
     """
 
-    def __init__(self, module: torch.nn.Module, *, all_functions: bool = True):
+    def __init__(self, module: torch.nn.Module, *, all_functions: bool = True, dynamic: bool = False):
         super().__init__()
         self.module = module
         self.all_functions = all_functions
-        self._captures: dict = {}
+        self.dynamic = dynamic
+        self._captures: dict = {}  # signature -> the captures made for it
 
     def forward(self, *args, **kwargs):
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        key = (self.module.training, torch.is_grad_enabled(), spec, tuple(_signature(x) for x in leaves),
+        key = (self.module.training, torch.is_grad_enabled(), spec,
+               tuple(_signature(x, self.dynamic) for x in leaves),
                tuple(p.requires_grad for p in self.module.parameters()))
-        capture = self._captures.get(key)
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        captures = self._captures.setdefault(key, [])
+        capture = next((c for c in captures if c.accepts(tensors)), None)
         if capture is None:
-            capture = self._captures[key] = Capture(self.module, args, kwargs, self.all_functions)
-        return capture([x for x in leaves if isinstance(x, torch.Tensor)])
+            capture = Capture(self.module, args, kwargs, self.all_functions, self.dynamic)
+            captures.append(capture)
+        return capture(tensors)
 
     # The wrapped module's names, as a checkpoint of either expects.
     def state_dict(self, *args, **kwargs):

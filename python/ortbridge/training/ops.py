@@ -24,7 +24,8 @@ class TracedCall:
         tensors = arguments.tensors
         self.requires_grad = [t.requires_grad for t in tensors]
         self.input_dtypes = [t.dtype for t in tensors]
-        self.input_shapes = [tuple(t.shape) for t in tensors]
+        self.input_shapes = [tuple(t.shape) for t in tensors]  # (SymInts where sizes are dynamic)
+        self.output_shapes = call.output_shapes_for([list(t.shape) for t in tensors])
         self.device = tensors[0].device if tensors else torch.device("cpu")
 
     def forward_attrs(self, training: bool) -> dict:
@@ -77,7 +78,7 @@ def python_op(inputs: list[torch.Tensor], call: int) -> list[torch.Tensor]:
 def _(inputs, call):
     traced = traced_call(call)
     outputs = [torch.empty(s, dtype=d, device=traced.device)
-               for s, d in zip(traced.call.output_shapes, traced.call.output_dtypes)]
+               for s, d in zip(traced.output_shapes, traced.call.output_dtypes)]
     return [torch.empty((), dtype=torch.int64, device=traced.device), *outputs]
 
 
