@@ -392,6 +392,15 @@ def test_dynamic_sizes_share_one_capture():
     assert len(_all_captures(wrapped)) == 2  # a size of 1 is specialized, as torch does
 
 
+def test_dynamic_sizes_with_infer_shape():
+    torch.manual_seed(0)
+    batches = [5, 7, 3]
+    wrapped = train_like_eager(Apply(lambda m, h: tf.Doubled.apply(h)), steps=len(batches),
+                               make_inputs=lambda step: _inputs(step, (batches[step], 4)),
+                               wrap=lambda m: ortbridge.OrtModule(m, dynamic=True))
+    assert len(_all_captures(wrapped)) == 1
+
+
 def test_state_dict_and_attributes_are_the_module_s():
     wrapped = _bias_gelu_model()
     assert list(wrapped.state_dict()) == list(wrapped.module.state_dict())
