@@ -8,9 +8,17 @@ from .convert import convert_from_ortmodule
 from .exporter import ExportError, export
 from .registry import UnknownFunctionError, pin_object, register, registered_names, unregister
 from .runtime import InferenceSession, context_pool_size, library_path, release_context, session_options
-from .training import OrtModule
 
 __all__ = [
-    "ExportError", "InferenceSession", "OrtModule", "UnknownFunctionError", "context_pool_size", "convert_from_ortmodule", "export",
-    "library_path", "pin_object", "register", "registered_names", "release_context", "session_options", "unregister",
+    "ExportError", "InferenceSession", "OrtModule", "UnknownFunctionError", "context_pool_size",
+    "convert_from_ortmodule", "export", "library_path", "pin_object", "register", "registered_names",
+    "release_context", "session_options", "unregister",
 ]
+
+
+def __getattr__(name: str):
+    # Training pulls in AOTAutograd and dynamo (over a second to import): only when asked for.
+    if name == "OrtModule":
+        from .training import OrtModule
+        return OrtModule
+    raise AttributeError(f"module 'ortbridge' has no attribute {name!r}")

@@ -259,24 +259,6 @@ class Stacked(torch.nn.Module):
         return self.outer(h)
 
 
-class TransformerBlock(torch.nn.Module):
-    """A small pre-norm transformer block whose MLP activation is BiasGelu."""
-
-    def __init__(self, width=64, heads=4):
-        super().__init__()
-        self.norm1 = torch.nn.LayerNorm(width)
-        self.attn = torch.nn.MultiheadAttention(width, heads, batch_first=True)
-        self.norm2 = torch.nn.LayerNorm(width)
-        self.up = torch.nn.Linear(width, 4 * width, bias=False)
-        self.bias = torch.nn.Parameter(torch.zeros(4 * width))
-        self.down = torch.nn.Linear(4 * width, width)
-
-    def forward(self, x):
-        h = self.norm1(x)
-        x = x + self.attn(h, h, h, need_weights=False)[0]
-        return x + self.down(BiasGelu.apply(self.up(self.norm2(x)), self.bias))
-
-
 class Doubled(torch.autograd.Function):
     """Output dim 0 is twice the input's: infer_shape says so, for dynamic sizes."""
 
