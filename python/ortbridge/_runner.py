@@ -97,7 +97,7 @@ def _forward_without_autograd(func: type, argument_count: int):
 
 class ForwardNode:
     def __init__(self, func_name: str, args: list, tensor_positions: list, requires_grad: list,
-                 training: bool, safe: bool, output_count: int, updated: list = ()):
+                 training: bool, safe: bool, output_count: int, updated: list):
         self.func = registry.lookup(func_name)
         # How forward runs unless a functorch transform is active (which needs Function.apply):
         # apply without its pass-through wrapper, or forward itself with safe_run_mode=0.
