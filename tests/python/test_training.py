@@ -483,7 +483,44 @@ def test_function_returning_another_shape_than_in_the_capture_is_an_error():
     assert ortbridge.context_pool_size() == 0
 
 
+@pytest.mark.parametrize("change, message", [("dtype", "float64|type"), ("count", "outputs")])
+def test_function_changing_its_outputs_after_capture_is_an_error(change, message):
+    class Changing(torch.autograd.Function):
+        changed = False
+
+        @staticmethod
+        def forward(ctx, x):
+            if not Changing.changed:
+                return x * 2
+            return x.double() * 2 if change == "dtype" else (x * 2, x * 3)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    wrapped = ortbridge.OrtModule(Apply(lambda m, h: Changing.apply(h)))
+    x = torch.randn(5, 4)
+    wrapped(x).sum().backward()
+    Changing.changed = True
+    with pytest.raises(Exception, match=message):
+        wrapped(x)
+    assert ortbridge.context_pool_size() == 0
+    Changing.changed = False
+    wrapped(x).sum().backward()  # the module still trains
+
+
 # --- torch.compile ----------------------------------------------------------------------------
+
+def test_torch_compile_finds_the_backend_without_importing_ortbridge():
+    code = ("import torch\n"
+            "model = torch.compile(torch.nn.Linear(3, 2), backend='ortbridge')\n"
+            "x = torch.randn(4, 3)\n"
+            "model(x).sum().backward()\n"
+            "import sys; print('ortbridge' in sys.modules, model.weight.grad.shape)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.split() == ["True", "torch.Size([2,", "3])"]
+
 
 def test_torch_compile_backend():
     torch._dynamo.reset()

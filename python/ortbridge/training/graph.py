@@ -21,7 +21,7 @@ from torch.utils._sympy.functions import FloorDiv
 from torch.utils._sympy.printers import PythonPrinter
 
 from .. import _C, _dtypes, runtime
-from ..exporter import _quiet_exporter
+from ..exporter import _name_nodes, _quiet_exporter
 from ..exporter.calls import DOMAIN
 from . import ops
 
@@ -200,6 +200,7 @@ class GraphSession:
         gm.recompile()
         self.model = _export(gm, [placeholders[k].meta["val"] for k in self.tensor_inputs])
         _spread_gradient_outputs(self.model.graph)
+        _name_nodes(self.model.graph)  # (errors name the node: PythonOp_<Function>_<k>)
         self.session = runtime.InferenceSession(self.model.SerializeToString(), _session_options(),
                                                 providers=["CPUExecutionProvider"])
         input_names = [i.name for i in self.session.get_inputs()]
