@@ -432,6 +432,32 @@ def test_only_registered_functions_with_all_functions_false():
     assert ortbridge.registry.registered_name(tf.SiLUSavingInput) is None
 
 
+def test_captures_on_two_threads_leave_apply_as_it_was():
+    import threading
+
+    base_apply = torch.autograd.Function.__dict__["apply"]
+    errors = []
+
+    def capture(width):
+        try:
+            torch.manual_seed(width)
+            model = Apply(lambda m, h: tf.BiasGelu.apply(h, m.bias), width=width, bias=torch.nn.Parameter(torch.randn(width)))
+            wrapped = ortbridge.OrtModule(copy.deepcopy(model))
+            x = torch.randn(3, 4)
+            _assert_close(wrapped(x), model(x), f"width {width}")
+        except Exception as e:  # (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=capture, args=(w,)) for w in (5, 7)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert torch.autograd.Function.__dict__["apply"] is base_apply
+    assert "apply" not in vars(tf.BiasGelu)
+
+
 # --- errors -----------------------------------------------------------------------------------
 
 def test_function_error_in_forward_and_backward_leaves_no_context():

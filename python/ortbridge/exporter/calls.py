@@ -310,34 +310,43 @@ _MISSING = object()
 
 @contextlib.contextmanager
 def class_attributes_set(changes: list):
-    """Set (class, name, value) attributes for the duration; then restore or remove them."""
-    saved = [(cls, name, cls.__dict__.get(name, _MISSING)) for cls, name, _ in changes]
-    for cls, name, value in changes:
-        setattr(cls, name, value)
-    try:
-        yield
-    finally:
-        for cls, name, old in reversed(saved):
-            if old is _MISSING:
-                delattr(cls, name)
-            else:
-                setattr(cls, name, old)
+    """Set (class, name, value) attributes for the duration; then restore or remove them. One
+    thread at a time (exports and captures on other threads wait), so that each restores what
+    was there before it, never another thread's change."""
+    with _CLASS_ATTRIBUTES_LOCK:
+        saved = [(cls, name, cls.__dict__.get(name, _MISSING)) for cls, name, _ in changes]
+        for cls, name, value in changes:
+            setattr(cls, name, value)
+        try:
+            yield
+        finally:
+            for cls, name, old in reversed(saved):
+                if old is _MISSING:
+                    delattr(cls, name)
+                else:
+                    setattr(cls, name, old)
 
 
+_CLASS_ATTRIBUTES_LOCK = threading.RLock()  # (reentrant: a Function's forward may export or capture)
+
+
+@contextlib.contextmanager
 def apply_replaced(classes, hook):
     """Route `cls.apply(*args, **kwargs)` of each class, and of subclasses that inherit its apply,
     to `hook(cls, original_apply_bound_to_cls, args, kwargs)`: on this thread only; other threads
     keep calling the original."""
-    changes = []
     thread = threading.get_ident()
-    for owner in classes:
-        own = owner.__dict__.get("apply")
+    with _CLASS_ATTRIBUTES_LOCK:  # the originals are read under the lock too
+        changes = []
+        for owner in classes:
+            own = owner.__dict__.get("apply")
 
-        def apply(cls, *args, _owner=owner, _own=own, **kwargs):
-            original = _own.__get__(None, cls) if _own is not None else super(_owner, cls).apply
-            if threading.get_ident() != thread:
-                return original(*args, **kwargs)
-            return hook(cls, original, args, kwargs)
+            def apply(cls, *args, _owner=owner, _own=own, **kwargs):
+                original = _own.__get__(None, cls) if _own is not None else super(_owner, cls).apply
+                if threading.get_ident() != thread:
+                    return original(*args, **kwargs)
+                return hook(cls, original, args, kwargs)
 
-        changes.append((owner, "apply", classmethod(apply)))
-    return class_attributes_set(changes)
+            changes.append((owner, "apply", classmethod(apply)))
+        with class_attributes_set(changes):
+            yield
