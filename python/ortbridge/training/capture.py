@@ -53,6 +53,17 @@ class _Tensor:
 _TENSOR = _Tensor()
 
 
+def _template(leaves: list) -> list:
+    """The leaves with each tensor replaced by the _TENSOR mark."""
+    return [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
+
+
+def _filled(template: list, tensors) -> list:
+    """The template with its marks replaced by `tensors`, in order."""
+    given = iter(tensors)
+    return [next(given) if x is _TENSOR else x for x in template]
+
+
 class _Flat(torch.nn.Module):
     """`module(*args, **kwargs)` as a function of the tensors among the arguments, giving the
     tensors among the results (what AOTAutograd traces). The non-tensor leaves of arguments and
@@ -62,21 +73,18 @@ class _Flat(torch.nn.Module):
         super().__init__()
         self.module = module
         self.spec = spec
-        self.leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
+        self.leaves = _template(leaves)
         self.result_spec = None
         self.result_leaves = None
 
     def forward(self, *tensors):
-        given = iter(tensors)
-        args, kwargs = pytree.tree_unflatten([next(given) if x is _TENSOR else x for x in self.leaves], self.spec)
+        args, kwargs = pytree.tree_unflatten(_filled(self.leaves, tensors), self.spec)
         leaves, self.result_spec = pytree.tree_flatten(self.module(*args, **kwargs))
-        self.result_leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
+        self.result_leaves = _template(leaves)
         return tuple(x for x in leaves if isinstance(x, torch.Tensor))
 
     def result(self, tensors) -> object:
-        given = iter(tensors)
-        return pytree.tree_unflatten([next(given) if x is _TENSOR else x for x in self.result_leaves],
-                                     self.result_spec)
+        return pytree.tree_unflatten(_filled(self.result_leaves, tensors), self.result_spec)
 
 
 def _python_op_apply(table: CallTable):
