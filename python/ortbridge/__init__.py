@@ -6,11 +6,12 @@ backward); the kernel library runs it in this process's PyTorch, zero-copy on th
 
 from .convert import convert_from_ortmodule
 from .exporter import ExportError, export
+from .operators import allow_operators
 from .registry import UnknownFunctionError, pin_object, register, registered_names, unregister
 from .runtime import InferenceSession, context_pool_size, library_path, release_context, session_options
 
 __all__ = [
-    "ExportError", "InferenceSession", "OrtModule", "UnknownFunctionError", "context_pool_size",
+    "ExportError", "InferenceSession", "OrtModule", "UnknownFunctionError", "allow_operators", "context_pool_size",
     "convert_from_ortmodule", "export", "library_path", "pin_object", "register", "registered_names",
     "release_context", "session_options", "unregister",
 ]

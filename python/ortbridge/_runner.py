@@ -8,12 +8,14 @@ leave as DLPack capsules that the kernel copies into ORT-allocated buffers.
 
 from __future__ import annotations
 
+import copy
 import traceback
 
 import torch
 from torch.autograd.function import FunctionCtx
 
 from . import _dtypes, _literals, registry
+from .core.functions import uses_setup_context
 
 _from_dlpack = getattr(torch._C, "_from_dlpack", torch.utils.dlpack.from_dlpack)
 _to_dlpack = torch.utils.dlpack.to_dlpack
@@ -23,12 +25,6 @@ _push_saved_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_saved_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 
 _functorch_active = torch._C._are_functorch_transforms_active
-
-
-def uses_setup_context(func: type) -> bool:
-    """Whether a Function defines setup_context; then torch's apply binds keyword and defaulted
-    arguments to positions (torch >= 2.0)."""
-    return torch.autograd.function._is_setup_context_defined(func.setup_context)
 
 
 pinned_object = registry.pinned_object
@@ -105,6 +101,8 @@ class ForwardNode:
         self.name = registry.qualified_name(self.func)
         self.forward_output = f"{self.name}.forward output"
         self.args = args
+        # Lists and dicts among the constants, which forward may change: each call gets its own.
+        self.mutable = [i for i, a in enumerate(args) if isinstance(a, (list, dict))]
         self.tensor_positions = tensor_positions
         self.requires_grad = requires_grad if any(requires_grad) else None
         self.updated = set(updated)  # tensor inputs declared updated in place (tensor_reuse_map)
@@ -114,6 +112,8 @@ class ForwardNode:
     def run(self, capsules: tuple) -> tuple:
         """(autograd context or None, one capsule per output[, indices of inputs modified in place])."""
         args = self.args.copy()
+        for i in self.mutable:
+            args[i] = copy.deepcopy(args[i])
         tensors = list(map(_from_dlpack, capsules))
         training = self.training
         if training:
@@ -210,9 +210,6 @@ class BackwardNode:
         self.argument_count = argument_count
         self.outputs = [position if wanted else None for position, wanted in zip(output_positions, requires_grad)]
         self.no_gradients = (None,) * len(self.outputs)
-        # torch's apply binds defaulted forward arguments of setup_context-style Functions, and
-        # backward returns a (None) value for each of them too.
-        self.binds_defaults = uses_setup_context(self.func)
 
     def run(self, ctx, capsules: tuple, absent: dict | None) -> tuple:
         """One capsule per wanted gradient output, None elsewhere (the kernel writes zeros where a
@@ -234,9 +231,8 @@ class BackwardNode:
                 _set_grad_enabled(True)
         if type(results) is not tuple:
             results = _as_tuple(results, f"{self.name}.backward")
-        if len(results) != self.argument_count and not (
-                len(results) > self.argument_count and self.binds_defaults
-                and all(r is None for r in results[self.argument_count:])):
+        if len(results) != self.argument_count and not (  # (extra trailing Nones: torch accepts them)
+                len(results) > self.argument_count and all(r is None for r in results[self.argument_count:])):
             raise RuntimeError(f"{self.name}.backward returned {len(results)} values, but forward takes "
                                f"{self.argument_count} arguments: return one gradient (or None) per "
                                "forward argument")

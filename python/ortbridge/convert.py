@@ -13,7 +13,7 @@ import os
 
 import onnx
 
-from .exporter.calls import DOMAIN
+from .core.nodes import DOMAIN
 
 _ORT_DOMAIN = "com.microsoft"
 _OPS = ("PythonOp", "PythonOpGrad")

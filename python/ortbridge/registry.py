@@ -12,6 +12,8 @@ import threading
 import torch
 from torch.autograd.function import FunctionCtx
 
+from . import operators
+
 _lock = threading.Lock()
 _functions: dict[str, type] = {}
 _objects: dict[int, object] = {}
@@ -61,7 +63,11 @@ def registered_names() -> list[str]:
 
 
 def lookup(name: str) -> type:
+    """The Function a func_name names: a registered one, or (`namespace::op.overload`) the one that
+    runs an allowed torch operator (see ortbridge.operators)."""
     cls = _functions.get(name)
+    if cls is None and operators.is_operator_name(name):
+        return operators.function(name)
     if cls is None:
         known = ", ".join(registered_names()) or "none"
         raise UnknownFunctionError(

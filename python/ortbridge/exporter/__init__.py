@@ -8,16 +8,15 @@ path (default) or the deprecated TorchScript path, both writing the same nodes.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
-import warnings
 
 import onnx
 import torch
 
 from . import dynamo as _dynamo, torchscript as _torchscript
-from .calls import DOMAIN, ExportError, Recorder
+from ..core.functions import ExportError
+from ..core.nodes import DOMAIN, name_nodes, quiet_exporter
+from ..core.record import Recorder
 
 
 def export(model: torch.nn.Module, args, f=None, *, kwargs: dict | None = None, dynamic_shapes=None,
@@ -45,7 +44,7 @@ def export(model: torch.nn.Module, args, f=None, *, kwargs: dict | None = None, 
             _refuse_object_references(recorder.calls)
         exporter = "torch.export" if dynamo else "torch's TorchScript exporter"
         try:
-            with _quiet_exporter():
+            with quiet_exporter():
                 if dynamo:
                     proto = _dynamo.export(model, args, kwargs, dynamic_shapes, recorder.calls, opset_version)
                 else:
@@ -59,7 +58,7 @@ def export(model: torch.nn.Module, args, f=None, *, kwargs: dict | None = None, 
             raise
     finally:
         model.train(was_training)
-    _name_nodes(proto.graph)
+    name_nodes(proto.graph)
     if training:
         _expose_contexts(proto.graph)
     if f is not None:
@@ -78,35 +77,12 @@ def _refuse_object_references(calls) -> None:
             "str-keyed dicts of those), or allow_object_references=True to save it anyway.")
 
 
-def _name_nodes(graph: onnx.GraphProto) -> None:
-    """Give each PythonOp node a readable, unique name: PythonOp_<Function>_<k>."""
-    for k, node in enumerate(n for n in graph.node if n.domain == DOMAIN):
-        func = next(a.s.decode() for a in node.attribute if a.name == "func_name")
-        node.name = f"{node.op_type}_{func.rsplit('.', 1)[-1]}_{k}"
-
-
 def _expose_contexts(graph: onnx.GraphProto) -> None:
     """In a training export each PythonOp keeps its autograd context: its id becomes a graph
     output, so the caller can hand it to PythonOpGrad or release it."""
     for node in graph.node:
         if node.domain == DOMAIN and node.op_type == "PythonOp":
             graph.output.append(onnx.helper.make_tensor_value_info(node.output[0], onnx.TensorProto.INT64, []))
-
-
-@contextlib.contextmanager
-def _quiet_exporter():
-    """torch's exporter logs warnings about optional packages that do not concern the user."""
-    logger = logging.getLogger("torch.onnx._internal.exporter._registration")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            # training=True asks for train mode; torch's advice to call eval() does not apply.
-            warnings.filterwarnings("ignore", "Exporting a model while it is in training mode", UserWarning)
-            yield
-    finally:
-        logger.setLevel(level)
 
 
 __all__ = ["ExportError", "export"]

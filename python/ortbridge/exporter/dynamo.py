@@ -11,18 +11,23 @@ from __future__ import annotations
 import torch
 
 from . import dims
-from .calls import DOMAIN, Call, CallTable, apply_replaced
+from ..core import fallback
+from ..core.interception import intercepted
+from ..core.nodes import DOMAIN
+from ..core.record import Call, CallTable
 
 
 class _Emitter:
     def __init__(self, calls: list[Call]):
         self.table = CallTable(calls)
+        self.emitted = 0
 
     def __call__(self, func, original, args, kwargs):
         arguments, call = self.table.match(func, args, kwargs)
         traced = [list(t.shape) for t in arguments.tensors]
+        self.emitted += 1
         outputs = torch.onnx.ops.symbolic_multi_out(
-            f"{DOMAIN}::PythonOp", arguments.tensors, call.attrs,
+            f"{DOMAIN}::PythonOp", arguments.tensors, call.node_attrs(self.emitted - 1),
             dtypes=[torch.int64, *call.output_dtypes], shapes=[[], *call.output_shapes_for(traced)], version=1)
         return call.returned(arguments.tensors, outputs[1:])  # output 0 is the context id
 
@@ -31,10 +36,11 @@ def export(model, args: tuple, kwargs: dict, dynamic_shapes, calls: list[Call], 
     # Capture with torch.export ourselves, non-strict only: torch.onnx.export would retry a failed
     # capture in strict mode, where dynamo inlines Function.apply without calling ours.
     # Like torch.onnx.export: a dynamic dim may have an example size of 0 or 1.
-    with apply_replaced({call.func for call in calls}, _Emitter(calls)), \
+    with intercepted({call.func for call in calls}, _Emitter(calls)), \
             torch.fx.experimental._config.patch(backed_size_oblivious=True):
-        program = torch.export.export(model, args, kwargs=kwargs, strict=False,
-                                      dynamic_shapes=dims.for_torch_export(dynamic_shapes))
+        shapes = dims.for_torch_export(dynamic_shapes)
+        program = torch.export.export(model, args, kwargs=kwargs, strict=False, dynamic_shapes=shapes)
+        program = fallback.exportable(program, args, kwargs, shapes)
     proto = torch.onnx.export(program, args, kwargs=kwargs, dynamo=True, opset_version=opset_version,
                               verbose=False).model_proto
     dims.rename(proto, dims.names(model, args, kwargs, dynamic_shapes))

@@ -17,7 +17,10 @@ import torch
 
 from . import dims
 from .. import registry
-from .calls import DOMAIN, Arguments, Call, ExportError, class_attributes_set
+from ..core.functions import ExportError
+from ..core.interception import class_attributes_set
+from ..core.nodes import DOMAIN, Arguments
+from ..core.record import Call
 
 
 def _onnx_attribute_kwargs(attrs: dict) -> dict:
@@ -50,9 +53,9 @@ class _Symbolics:
             raise ExportError(f"the TorchScript trace called {arguments.constants['func_name']} where the eager run "
                               "of the example inputs did not, or with other constants; the model must call its "
                               "Functions the same way on every run with these inputs.")
-        self.done += 1
         outputs = g.op(f"{DOMAIN}::PythonOp", *arguments.tensors, outputs=1 + len(call.output_dtypes),
-                       **_onnx_attribute_kwargs(call.attrs))
+                       **_onnx_attribute_kwargs(call.node_attrs(self.done)))
+        self.done += 1
         outputs[0].setType(torch._C.TensorType.create_from_tensor(torch.zeros((), dtype=torch.int64)))
         traced = [v.type().varyingSizes() for v in arguments.tensors]  # None: a dim dynamic_axes made dynamic
         for value, dtype, shape in zip(outputs[1:], call.output_dtypes, call.output_shapes_for(traced)):

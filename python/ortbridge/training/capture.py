@@ -13,18 +13,27 @@ Runtime, glued into torch autograd by AOTAutograd.
 
 from __future__ import annotations
 
+import logging
+import os
+import time
+import traceback
+
 import torch
 import torch.utils._pytree as pytree
 from torch._functorch.aot_autograd import aot_module_simplified
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+from torch._export.utils import _compiling_state_context
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import (DimDynamic, GuardOnDataDependentSymNode, ShapeEnv,
+                                                   StatelessSymbolicContext)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..exporter.calls import CallTable, Recorder, apply_replaced
+from ..core.interception import intercepted
+from ..core.record import CallTable, Recorder
 from . import ops
 from .graph import GraphSession
 
 aten = torch.ops.aten
+log = logging.getLogger("ortbridge")
 # Operators torch's ONNX exporter writes wrongly for training, traced as the operators they are
 # made of instead: batch norm in training mode became BatchNormalization in inference mode.
 # (Likewise attention: the capture asks for the math kernel, as the fused ones' outputs saved
@@ -95,14 +104,38 @@ def _python_op_apply(table: CallTable):
     return apply
 
 
-def _dynamic_fakes(tensors: list) -> tuple[list, ShapeEnv]:
-    """Fake tensors whose every dim is a symbol of its own (sizes 0 and 1 stay static, as torch
-    specializes them), in a fake mode of their own."""
-    shape_env = ShapeEnv(duck_shape=False)  # equal example sizes are not assumed equal later
-    mode = FakeTensorMode(shape_env=shape_env)
-    fakes = [mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(
-        dynamic_sizes=[DimDynamic.DYNAMIC] * t.dim())) for t in tensors]
-    return fakes, shape_env
+def _fakes(tensors: list, dynamic: bool) -> tuple[list, ShapeEnv | None]:
+    """The capture's inputs as fake tensors in a fake mode of its own, in which a real tensor the
+    module holds (a plain tensor attribute) becomes a constant of the graph. With `dynamic`, every
+    dim is a symbol of its own (sizes 0 and 1 stay static, as torch specializes them)."""
+    shape_env = ShapeEnv(duck_shape=False) if dynamic else None  # equal example sizes are not assumed equal later
+    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
+    if not dynamic:
+        return [mode.from_tensor(t) for t in tensors], None
+    return [mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.DYNAMIC] * t.dim())) for t in tensors], shape_env
+
+
+_DATA_DEPENDENT = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
+_LIBRARIES = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+
+
+def _data_dependent_error(error: Exception) -> CaptureError:
+    """What a data-dependent failure of the trace means for the user: the operator and the line
+    of their code that asked for a tensor's value."""
+    user = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(_LIBRARIES)]
+    where = f" at {user[-1].filename}:{user[-1].lineno} ({user[-1].line})" if user else ""
+    func = getattr(error, "func", None)
+    what = f"operator {func}" if func is not None else "a condition on tensor values"
+    return CaptureError(
+        f"the capture traces the module with tensors whose values are unknown, and {what}{where} needs a "
+        f"value (first line of torch's error: {str(error).strip().splitlines()[0]}). Take that value from "
+        "outside the model, pass it as a non-tensor argument, or move the code into a torch.autograd.Function, "
+        "which runs in PyTorch.")
+
+
+class CaptureError(RuntimeError):
+    """A module ortbridge cannot capture; the message says where and what to do."""
 
 
 class Capture:
@@ -110,7 +143,10 @@ class Capture:
     With `dynamic`, tensor sizes are symbols: the capture serves every call its guards accept
     (the relations between sizes that the trace relied on)."""
 
-    def __init__(self, module: torch.nn.Module, args: tuple, kwargs: dict, all_functions: bool, dynamic: bool):
+    def __init__(self, module: torch.nn.Module, args: tuple, kwargs: dict, all_functions: bool, dynamic: bool,
+                 options: dict | None = None, name: str = "graph"):
+        self.options = options or {}
+        self.name = name
         leaves, spec = pytree.tree_flatten((args, kwargs))
         self.flat = _Flat(module, spec, leaves)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -119,16 +155,24 @@ class Capture:
         table = CallTable(recorder.calls)
         self.sessions: list[GraphSession] = []  # forward or inference graph, then backward graph
         self._guards = None
+        fakes, shape_env = _fakes(tensors, dynamic)
+        # Library code asks torch.compiler.is_compiling() for its trace-friendly branch: as under torch.export.
+        with intercepted(table.functions, _python_op_apply(table)), sdpa_kernel(SDPBackend.MATH), \
+                _compiling_state_context():
+            try:
+                self.compiled = aot_module_simplified(self.flat, fakes, fw_compiler=self._compiler("forward"),
+                                                      bw_compiler=self._compiler("backward"),
+                                                      inference_compiler=self._compiler("inference"),
+                                                      decompositions=_DECOMPOSITIONS)
+            except _DATA_DEPENDENT as e:
+                raise _data_dependent_error(e) from e
+        missed = table.unmatched()
+        if missed:
+            raise CaptureError(f"the eager run called {', '.join(missed)}, but the trace of the module never reached "
+                               "its apply, so it cannot be a PythonOp. Call the Function through its apply (Fn.apply, "
+                               "a stored Fn.apply, functools.partial of it), the same way on every run.")
         if dynamic:
-            tensors, shape_env = _dynamic_fakes(tensors)
-        with apply_replaced(table.functions, _python_op_apply(table)), sdpa_kernel(SDPBackend.MATH):
-            self.compiled = aot_module_simplified(self.flat, tensors, fw_compiler=self._compiler(training=True),
-                                                  bw_compiler=self._compiler(training=False),
-                                                  inference_compiler=self._compiler(training=False),
-                                                  decompositions=_DECOMPOSITIONS)
-
-        if dynamic:
-            code = shape_env.produce_guards_expression(tensors, ignore_static=False)
+            code = shape_env.produce_guards_expression(fakes, ignore_static=False)
             self._guards = code and (compile(code, "<ortbridge guards>", "eval"), shape_env)
 
     def accepts(self, tensors: list) -> bool:
@@ -138,9 +182,17 @@ class Capture:
         code, shape_env = self._guards
         return shape_env.evaluate_guards_expression(code, tensors)
 
-    def _compiler(self, training: bool):
+    def _compiler(self, kind: str):
         def compile_graph(gm: torch.fx.GraphModule, example_inputs) -> GraphSession:
-            self.sessions.append(GraphSession(gm, training))
+            folder = self.options.get("save_graphs")
+            save_as = os.path.join(folder, f"{self.name}_{kind}.onnx") if folder else None
+            if folder:
+                os.makedirs(folder, exist_ok=True)
+            started = time.perf_counter()
+            self.sessions.append(GraphSession(gm, kind == "forward", self.options.get("session_options"),
+                                              self.options.get("providers"), save_as))
+            log.info("%s: %s graph in ONNX Runtime after %.2f s%s", self.name, kind, time.perf_counter() - started,
+                     f", saved to {save_as}" if save_as else "")
             return self.sessions[-1]
 
         return compile_graph

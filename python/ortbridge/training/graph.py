@@ -21,8 +21,9 @@ from torch.utils._sympy.functions import FloorDiv
 from torch.utils._sympy.printers import PythonPrinter
 
 from .. import _C, _dtypes, runtime
-from ..exporter import _name_nodes, _quiet_exporter
-from ..exporter.calls import DOMAIN
+from ..core import fallback
+from ..core.nodes import DOMAIN, name_nodes, quiet_exporter
+from ..core.record import size_hint
 from . import ops
 
 _PYTHON_OP = torch.ops.ortbridge.python_op.default
@@ -119,7 +120,7 @@ def _spread_gradient_outputs(graph: onnx.GraphProto) -> None:
             node.output.extend(next(produced) if w else "" for w in wanted)
 
 
-def _session_options() -> ort.SessionOptions:
+def default_session_options() -> ort.SessionOptions:
     """As many threads as torch uses, which sleep between runs: torch runs in between (the
     Functions, the optimizer, the rest of the step), and ORT's default spinning threads would
     take its cores."""
@@ -135,14 +136,15 @@ def _is_context_id(node: torch.fx.Node) -> bool:
             and node.args[0].target is _PYTHON_OP)
 
 
-class GraphSession:
-    """Runs `gm` in ONNX Runtime: called with a list of tensors (and ints, for symbolic sizes;
-    AOTAutograd's boxed calling convention), returns the graph's outputs."""
-
-    _boxed_call = True
+class OnnxGraph:
+    """An AOTAutograd graph rewritten for torch's ONNX exporter (pure FX, no ONNX Runtime):
+    python_op / python_op_grad nodes emit PythonOp / PythonOpGrad, sizes given as inputs are
+    read from the tensors, and the outputs are what ONNX Runtime computes (`computed`: each
+    context id among them, in a tensor that owns it). Every output of the original graph has a
+    source: ("none",), ("input", k), ("constant", tensor), ("size", j) or ("onnx", j)."""
 
     def __init__(self, gm: torch.fx.GraphModule, training: bool):
-        gm = torch.fx.GraphModule(gm, gm.graph)  # a copy to rewrite; AOTAutograd keeps the original
+        self.module = gm = torch.fx.GraphModule(gm, gm.graph)  # a copy to rewrite; AOTAutograd keeps the original
         graph = gm.graph
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         for p in placeholders:
@@ -151,7 +153,6 @@ class GraphSession:
                                           f"{p.meta['val'].device}")
         sizes = _Sizes(graph, placeholders)
         output = graph.output_node()
-        # Each graph output: ("none",), ("input", k), ("size", j) or ("onnx", j).
         computed: list[torch.fx.Node] = []
         size_outputs = []
         self.sources = []
@@ -160,6 +161,8 @@ class GraphSession:
                 self.sources.append(("none",))
             elif r.op == "placeholder" and isinstance(r.meta["val"], torch.Tensor):
                 self.sources.append(("input", placeholders.index(r)))
+            elif r.op == "get_attr":  # a constant of the graph
+                self.sources.append(("constant", getattr(gm, r.target)))
             elif not isinstance(r.meta["val"], torch.Tensor):  # a size, for backward
                 self.sources.append(("size", len(size_outputs)))
                 size_outputs.append(r.meta["val"])
@@ -178,7 +181,7 @@ class GraphSession:
                         ids[0].meta["val"] = node.meta["val"][0]
                 if ids[0] not in computed:
                     computed.append(ids[0])
-        self.outputs = [(n.meta["val"].dtype, _is_context_id(n)) for n in computed]
+        self.outputs = [(n.meta["val"].dtype, _is_context_id(n)) for n in computed]  # (dtype, is a context id)
         output_shapes = [list(n.meta["val"].shape) for n in computed]
         self.output_shapes = sizes.at_run_time(output_shapes) or (lambda args, shapes=output_shapes: shapes)
         self.size_outputs = sizes.at_run_time([size_outputs]) if size_outputs else None
@@ -191,6 +194,7 @@ class GraphSession:
                 node.args = (*node.args, sizes.shapes_in_graph(node.meta["val"]))
         # Sizes given as inputs are read from the tensors instead: ONNX inputs are tensors.
         self.tensor_inputs = [k for k, p in enumerate(placeholders) if isinstance(p.meta["val"], torch.Tensor)]
+        self.input_values = [placeholders[k].meta["val"] for k in self.tensor_inputs]
         for p in placeholders:
             if not isinstance(p.meta["val"], torch.Tensor):
                 p.replace_all_uses_with(sizes.in_graph(p.meta["val"]))
@@ -198,21 +202,43 @@ class GraphSession:
         output.args = (tuple(computed),)
         graph.eliminate_dead_code()
         gm.recompile()
-        self.model = _export(gm, [placeholders[k].meta["val"] for k in self.tensor_inputs])
-        _spread_gradient_outputs(self.model.graph)
-        _name_nodes(self.model.graph)  # (errors name the node: PythonOp_<Function>_<k>)
-        self.session = runtime.InferenceSession(self.model.SerializeToString(), _session_options(),
-                                                providers=["CPUExecutionProvider"])
+
+    def to_onnx(self) -> onnx.ModelProto:
+        model = _export(self.module, self.input_values)
+        _spread_gradient_outputs(model.graph)
+        name_nodes(model.graph)  # (errors name the node: PythonOp_<Function>_<k>)
+        return model
+
+
+class GraphSession:
+    """Runs an AOTAutograd graph in ONNX Runtime: called with a list of tensors (and ints, for
+    symbolic sizes; AOTAutograd's boxed calling convention), returns the graph's outputs. A
+    graph with nothing to compute (its outputs are inputs, sizes or constants) has no session."""
+
+    _boxed_call = True
+
+    def __init__(self, gm: torch.fx.GraphModule, training: bool, session_options: ort.SessionOptions | None = None,
+                 providers=None, save_as: str | None = None):
+        self.graph = graph = OnnxGraph(gm, training)
+        self.model = self.session = None
+        if not graph.outputs:
+            return
+        self.model = graph.to_onnx()
+        if save_as:
+            onnx.save(self.model, save_as)
+        self.session = runtime.InferenceSession(
+            self.model.SerializeToString(), session_options or default_session_options(),
+            providers=providers or ["CPUExecutionProvider"])
         input_names = [i.name for i in self.session.get_inputs()]
         output_names = [o.name for o in self.session.get_outputs()]
-        if len(input_names) != len(self.tensor_inputs) or len(output_names) != len(computed):
+        if len(input_names) != len(graph.tensor_inputs) or len(output_names) != len(graph.outputs):
             raise RuntimeError(f"the exported graph has {len(input_names)} inputs and {len(output_names)} "
-                               f"outputs, the captured one {len(self.tensor_inputs)} and {len(computed)}")
+                               f"outputs, the captured one {len(graph.tensor_inputs)} and {len(graph.outputs)}")
         # What each run binds: (ONNX name, argument index, numpy type) per input, (name, numpy type)
         # per output. Bound through the C binding: the Python wrapper costs ~10 us per tensor.
-        self.input_bindings = [(name, k, _dtypes.numpy_type(placeholders[k].meta["val"].dtype))
-                               for name, k in zip(input_names, self.tensor_inputs)]
-        self.output_bindings = [(name, _dtypes.numpy_type(dtype)) for name, (dtype, _) in zip(output_names, self.outputs)]
+        self.input_bindings = [(name, k, _dtypes.numpy_type(value.dtype))
+                               for name, k, value in zip(input_names, graph.tensor_inputs, graph.input_values)]
+        self.output_bindings = [(name, _dtypes.numpy_type(dtype)) for name, (dtype, _) in zip(output_names, graph.outputs)]
         self.cpu = ort.OrtDevice.make("cpu", 0)._get_c_device()
 
     def __call__(self, args: list) -> list:
@@ -222,33 +248,38 @@ class GraphSession:
         return self._run(args)
 
     def _run(self, args: list) -> list:
-        binding = self.session.io_binding()
-        bind_input, bind_output, cpu = binding._iobinding.bind_input, binding._iobinding.bind_output, self.cpu
+        graph = self.graph
         inputs = [a.contiguous() if isinstance(a, torch.Tensor) else a for a in args]  # (alive until the run ends)
         args.clear()  # the boxed convention: the callee may free its inputs early
+        outputs = self._run_session(inputs) if self.session is not None else []
+        size_outputs = graph.size_outputs(inputs)[0] if graph.size_outputs else ()
+        by_kind = {"input": inputs, "size": size_outputs, "onnx": outputs}
+        return [None if s[0] == "none" else s[1] if s[0] == "constant" else by_kind[s[0]][s[1]]
+                for s in graph.sources]
+
+    def _run_session(self, inputs: list) -> list:
+        binding = self.session.io_binding()
+        bind_input, bind_output, cpu = binding._iobinding.bind_input, binding._iobinding.bind_output, self.cpu
         for name, k, numpy_type in self.input_bindings:
             t = inputs[k]
             bind_input(name, cpu, numpy_type, t.shape, t.data_ptr())
         outputs = [torch.from_dlpack(_C.context_id_capsule()) if is_context else torch.empty(shape, dtype=dtype)
-                   for (dtype, is_context), shape in zip(self.outputs, self.output_shapes(inputs))]
+                   for (dtype, is_context), shape in zip(self.graph.outputs, self.graph.output_shapes(inputs))]
         for (name, numpy_type), t in zip(self.output_bindings, outputs):
             bind_output(name, cpu, numpy_type, t.shape, t.data_ptr())
         self.session.run_with_iobinding(binding)
-        size_outputs = self.size_outputs(inputs)[0] if self.size_outputs else ()
-        by_kind = {"input": inputs, "size": size_outputs, "onnx": outputs}
-        return [None if s[0] == "none" else by_kind[s[0]][s[1]] for s in self.sources]
+        return outputs
 
 
 def _export(gm: torch.fx.GraphModule, inputs: list) -> onnx.ModelProto:
     """The graph as ONNX, its inputs' symbolic dims dynamic."""
-    example = tuple(torch.zeros([_hint(d) for d in t.shape], dtype=t.dtype) for t in inputs)
+    example = tuple(torch.zeros([size_hint(d) for d in t.shape], dtype=t.dtype) for t in inputs)
     dynamic = tuple({d: torch.export.Dim.AUTO for d, size in enumerate(t.shape) if not isinstance(size, int)}
                     for t in inputs)
     # (under dynamo, the fake mode of its trace is still current)
-    with _quiet_exporter(), torch._subclasses.fake_tensor.unset_fake_temporarily():
-        program = torch.export.export(gm, example, dynamic_shapes=dynamic if any(dynamic) else None, strict=False)
+    with quiet_exporter(), torch._subclasses.fake_tensor.unset_fake_temporarily():
+        dynamic = dynamic if any(dynamic) else None
+        program = torch.export.export(gm, example, dynamic_shapes=dynamic, strict=False)
+        program = fallback.exportable(program, example, dynamic_shapes=dynamic)
         return torch.onnx.export(program, example, dynamo=True, verbose=False).model_proto
 
-
-def _hint(size) -> int:
-    return size if isinstance(size, int) else size.node.hint

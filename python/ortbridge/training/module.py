@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
+import time
+
+import onnxruntime as ort
 import torch
 import torch.utils._pytree as pytree
 
 from .capture import Capture
+
+log = logging.getLogger("ortbridge")
 
 
 def _signature(leaf, dynamic: bool) -> object:
@@ -32,13 +40,24 @@ class OrtModule(torch.nn.Module):
     autograd context. `all_functions=False` keeps only Functions registered with
     ortbridge.register as PythonOp nodes (others are traced into ONNX ops); by default every
     Function the module calls is registered, under its qualified name.
+
+    `session_options` (onnxruntime.SessionOptions) and `providers` are used for every graph's
+    session (default: torch's thread count, threads that sleep between runs; the CPU provider).
+    `save_graphs`: a folder where each capture writes its ONNX graphs, named
+    `<Module>_<signature>_<k>_{forward,backward,inference}.onnx`. Captures are logged (logger
+    `ortbridge`, INFO) with their times. `parameters()`, `named_parameters()`, `buffers()`,
+    `modules()` and their named forms give the wrapped module's (names without a prefix).
     """
 
-    def __init__(self, module: torch.nn.Module, *, all_functions: bool = True, dynamic: bool = False):
+    def __init__(self, module: torch.nn.Module, *, all_functions: bool = True, dynamic: bool = False,
+                 session_options: ort.SessionOptions | None = None, providers: list | None = None,
+                 save_graphs: str | os.PathLike | None = None):
         super().__init__()
         self.module = module
         self.all_functions = all_functions
         self.dynamic = dynamic
+        self.options = {"session_options": session_options, "providers": providers,
+                        "save_graphs": os.fspath(save_graphs) if save_graphs is not None else None}
         self._captures: dict = {}  # signature -> the captures made for it
 
     def forward(self, *args, **kwargs):
@@ -50,9 +69,33 @@ class OrtModule(torch.nn.Module):
         captures = self._captures.setdefault(key, [])
         capture = next((c for c in captures if c.accepts(tensors)), None)
         if capture is None:
-            capture = Capture(self.module, args, kwargs, self.all_functions, self.dynamic)
+            name = f"{type(self.module).__name__}_{hashlib.sha1(repr(key).encode()).hexdigest()[:10]}_{len(captures)}"
+            log.info("capturing %s (%s mode, %d tensor arguments)", name, "train" if key[0] else "eval", len(tensors))
+            started = time.perf_counter()
+            capture = Capture(self.module, args, kwargs, self.all_functions, self.dynamic, self.options, name)
+            log.info("captured %s in %.2f s", name, time.perf_counter() - started)
             captures.append(capture)
         return capture(tensors)
+
+    # The wrapped module's names, as ORTModule gave them: optimizer parameter groups and
+    # checkpoints written for the bare module work unchanged.
+    def parameters(self, recurse: bool = True):
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args, **kwargs):
+        return self.module.named_parameters(*args, **kwargs)
+
+    def buffers(self, recurse: bool = True):
+        return self.module.buffers(recurse)
+
+    def named_buffers(self, *args, **kwargs):
+        return self.module.named_buffers(*args, **kwargs)
+
+    def modules(self):
+        return self.module.modules()
+
+    def named_modules(self, *args, **kwargs):
+        return self.module.named_modules(*args, **kwargs)
 
     # The wrapped module's names, as a checkpoint of either expects.
     def state_dict(self, *args, **kwargs):

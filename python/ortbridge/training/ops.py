@@ -12,15 +12,17 @@ from typing import Optional
 import torch
 
 from .. import _dtypes
-from ..exporter.calls import Arguments, Call
+from ..core.nodes import Arguments
+from ..core.record import Call
 
 
 class TracedCall:
     """One traced Function call: the recorded call (attributes, output types and shapes) and
     which of its tensor inputs need a gradient in this trace."""
 
-    def __init__(self, call: Call, arguments: Arguments):
+    def __init__(self, call: Call, arguments: Arguments, index: int):
         self.call = call
+        self.index = index
         tensors = arguments.tensors
         self.requires_grad = [t.requires_grad for t in tensors]
         self.input_dtypes = [t.dtype for t in tensors]
@@ -29,7 +31,7 @@ class TracedCall:
         self.device = tensors[0].device if tensors else torch.device("cpu")
 
     def forward_attrs(self, training: bool) -> dict:
-        attrs = dict(self.call.attrs, training_mode=int(training))
+        attrs = dict(self.call.node_attrs(self.index), training_mode=int(training))
         attrs.pop("input_requires_grads", None)
         if training:
             grads = iter(self.requires_grad)
@@ -59,7 +61,7 @@ def traced_call(index: int) -> TracedCall:
 
 def python_op_call(call: Call, arguments: Arguments):
     """The traced call of `call`: what apply returns, computed by python_op."""
-    _calls.append(TracedCall(call, arguments))
+    _calls.append(TracedCall(call, arguments, len(_calls)))
     outputs = python_op(arguments.tensors, len(_calls) - 1)
     return call.returned(arguments.tensors, outputs[1:])
 

@@ -1,0 +1,121 @@
+"""The operator fallback: an operator torch's ONNX exporter cannot write (it has no translation
+and no decomposition into operators that have one) becomes a PythonOp node that runs the operator
+in PyTorch on ONNX Runtime's buffers (see ortbridge.operators), instead of failing the export.
+
+Applied to an ExportedProgram before torch.onnx.export: the program is decomposed as torch's
+exporter would decompose it; if some operator is left without a translation, the decomposed
+program is traced again with each such call emitting its node.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+from .. import _dtypes, operators
+from .functions import ExportError
+from .nodes import DOMAIN, Arguments
+
+log = logging.getLogger("ortbridge")
+
+
+aten = torch.ops.aten
+# Operators that have a decomposition torch's exporter would use, but that run faster as a
+# fallback node (PyTorch's kernel) than decomposed in ONNX Runtime: chosen per operator by
+# benchmarks/fallback_ops.py (both ways, in training steps, same run).
+PYTORCH_PREFERRED: set = set()
+
+
+@functools.cache
+def _onnx_registry():
+    from torch.onnx._internal.exporter import _decomp, _registration
+
+    registry = _registration.ONNXRegistry.from_torchlib()
+    translated = frozenset(_decomp.get_onnx_implemented_overloads(registry))
+    return registry, translated, _decomp.create_onnx_friendly_decomposition_table(translated)
+
+
+def _needs_fallback(node: torch.fx.Node, translated: frozenset) -> bool:
+    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+            and node.target not in translated)
+
+
+def exportable(program: torch.export.ExportedProgram, args: tuple, kwargs: dict | None = None,
+               dynamic_shapes=None) -> torch.export.ExportedProgram:
+    """`program`, or where it calls operators torch's ONNX exporter cannot write, the program
+    with each such call a fallback node. `args`, `kwargs`, `dynamic_shapes`: as it was exported."""
+    from torch.onnx._internal.exporter import _fx_passes
+
+    _, translated, table = _onnx_registry()
+    # Decomposed as torch's exporter would decompose it (less the operators PyTorch runs faster).
+    decomposed = program.run_decompositions({op: f for op, f in table.items() if op not in PYTORCH_PREFERRED})
+    _fx_passes.remove_assertion_nodes(decomposed.graph_module)  # (torch's exporter drops them too)
+    fallbacks = [n for n in decomposed.graph.nodes if _needs_fallback(n, translated)]
+    if not fallbacks:
+        return program
+    for node in fallbacks:
+        if not operators.allowed(node.target.namespace):
+            raise ExportError(f"operator {operators.name_of(node.target)} has no ONNX translation, and its namespace "
+                              f"is not allowed to run as a fallback node; call ortbridge.allow_operators("
+                              f"'{node.target.namespace}') to let it run in PyTorch inside the graph.")
+    log.info("operators run by PyTorch inside the graph: %s",
+             ", ".join(sorted({operators.name_of(n.target) for n in fallbacks})))
+    module = decomposed.module()
+    for node in module.graph.nodes:
+        if _needs_fallback(node, translated):
+            node.target = _emitter(node.target)
+    module.recompile()
+    return torch.export.export(module, args, kwargs=kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+
+
+def _layout(args: tuple, kwargs: dict) -> tuple[tuple, tuple, list]:
+    """The operator's arguments as PythonOp arguments: (layout, keyword names, values...)."""
+    layout, values = [], []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+            layout.append(len(value))
+            values.extend(value)
+        else:  # (int and bool lists as tuples: ORT's typed attributes, which forward cannot change)
+            layout.append(-1)
+            values.append(tuple(value) if isinstance(value, list) else value)
+    return tuple(layout), tuple(kwargs), values
+
+
+_calls = 0  # numbers every fallback call: no optimizer may merge two of them
+
+
+def _emitter(op: torch._ops.OpOverload):
+    name = operators.name_of(op)
+
+    def emit(*args, **kwargs):
+        global _calls
+        with disable_proxy_modes_tracing():  # the operator's outputs in this trace, not recorded
+            result = op(*args, **kwargs)
+        outputs = operators.flatten_outputs(result)
+        layout, keywords, values = _layout(args, kwargs)
+        arguments = Arguments(name, (layout, keywords, *values), pin=False)
+        if arguments.objects:
+            raise ExportError(f"operator {name} has an argument ONNX cannot hold: {arguments.objects}")
+        _calls += 1
+        attrs = dict(arguments.attrs, output_tensor_types=[_dtypes.onnx_type(t.dtype) for t in outputs],
+                     output_tensor_ranks=[t.dim() for t in outputs], training_mode=0, safe_run_mode=0,
+                     call_index=_calls)
+        nodes = torch.onnx.ops.symbolic_multi_out(
+            f"{DOMAIN}::PythonOp", arguments.tensors, attrs, dtypes=[torch.int64, *(t.dtype for t in outputs)],
+            shapes=[[], *(list(t.shape) for t in outputs)], version=1)
+        return _refilled(result, iter(nodes[1:]))
+
+    emit.__name__ = emit.__qualname__ = f"ortbridge_fallback_{name.replace('::', '_').replace('.', '_')}"
+    return emit
+
+
+def _refilled(result, outputs):
+    """`result` with each tensor replaced by the next node output."""
+    if isinstance(result, torch.Tensor):
+        return next(outputs)
+    if isinstance(result, (tuple, list)):
+        return type(result)(_refilled(r, outputs) for r in result)
+    return result

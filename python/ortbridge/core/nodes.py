@@ -1,0 +1,194 @@
+"""A Function call as a PythonOp node: the attributes of its arguments, node naming, and the
+quiet call of torch's ONNX exporter."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import struct
+import types
+import warnings
+
+import onnx
+import torch
+
+from .. import _dtypes, _literals, registry
+from .functions import ExportError
+
+DOMAIN = "ortbridge"
+_INT64_MIN, _INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+
+
+def _f64_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _scalar_kind(value) -> str | None:
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int" if _INT64_MIN <= value <= _INT64_MAX else None
+    if isinstance(value, float):
+        return "float"
+    return None
+
+
+def _tuple_kind(value) -> str | None:
+    """The kind of a non-empty tuple of one scalar kind (ORT's typed tuple attributes)."""
+    if not isinstance(value, tuple) or not value:
+        return None
+    kinds = {_scalar_kind(v) for v in value}
+    return kinds.pop() if len(kinds) == 1 and None not in kinds else None
+
+
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _contains(value, types) -> bool:
+    if isinstance(value, types):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_contains(v, types) for v in value)
+    if isinstance(value, dict):
+        return any(_contains(v, types) for v in value.values())
+    return False
+
+
+class Arguments:
+    """The argument layout of one call as PythonOp attributes.
+
+    Tensors are node inputs ('d'). Constants ('c'): bool/int/float scalars and one-kind tuples in
+    ORT's typed attributes (float64 bits beside the float32 values); other plain values (None,
+    str, lists, mixed or nested tuples, dicts, dtypes, devices) in `input_literals`; any other
+    object by reference through ortbridge.pin_object, valid only in this process.
+    """
+
+    def __init__(self, name: str, args: tuple, tensor_type: type = torch.Tensor, pin: bool = True):
+        self.tensors = []  # the node's inputs (torch._C.Value in a TorchScript graph)
+        self.objects = []  # (position, type name) of constants held by reference
+        convention = []
+        scalars = {"bool": ([], []), "int": ([], []), "float": ([], []), "pointer": ([], [])}
+        tuples = {"bool": ([], [], []), "int": ([], [], []), "float": ([], [], [])}
+        literals, literal_positions = [], []
+        for position, arg in enumerate(args):
+            if isinstance(arg, tensor_type):
+                convention.append("d")
+                self.tensors.append(arg)
+                continue
+            convention.append("c")
+            if _contains(arg, _SYMBOLIC):
+                raise ExportError(
+                    f"argument {position} of {name}.apply depends on a dynamic dim, but a constant argument is fixed "
+                    "in the graph. Compute it inside forward from the tensors, or pass it as a tensor.")
+            if _scalar_kind(arg):
+                values, positions = scalars[_scalar_kind(arg)]
+                values.append(arg)
+                positions.append(position)
+            elif _tuple_kind(arg):
+                values, positions, begins = tuples[_tuple_kind(arg)]
+                begins.append(len(values))
+                values.extend(arg)
+                positions.append(position)
+            elif _literals.encodable(arg):
+                literals.append(arg)
+                literal_positions.append(position)
+            elif _contains(arg, torch.Tensor):
+                raise ExportError(
+                    f"argument {position} of {name}.apply is a {type(arg).__name__} that holds tensors; a node "
+                    "input must be a tensor itself. Pass each tensor as its own argument to apply.")
+            else:
+                held = _held_tensor(arg)
+                if held:
+                    raise ExportError(
+                        f"argument {position} of {name}.apply is a {type(arg).__name__} that holds {held}, a tensor "
+                        "of this run: the graph would keep that one tensor for every later run. Pass the tensor "
+                        "to apply as an argument of its own.")
+                values, positions = scalars["pointer"]
+                values.append(registry.pin_object(arg) if pin else 0)
+                positions.append(position)
+                self.objects.append((position, type(arg).__name__))
+        attrs = {"func_name": name, "input_convention": "".join(convention)}
+        for kind, (values, positions) in scalars.items():
+            if values:
+                attrs[f"input_{kind}_scalars"] = [float(v) if kind == "float" else int(v) for v in values]
+                attrs[f"input_{kind}_scalar_positions"] = positions
+        if scalars["float"][0]:
+            attrs["input_float_scalars_f64"] = [_f64_bits(v) for v in scalars["float"][0]]
+        for kind, (values, positions, begins) in tuples.items():
+            if values:
+                attrs[f"input_{kind}_tuples"] = [float(v) if kind == "float" else int(v) for v in values]
+                attrs[f"input_{kind}_tuple_positions"] = positions
+                attrs[f"input_{kind}_tuple_begins"] = begins
+        if tuples["float"][0]:
+            attrs["input_float_tuples_f64"] = [_f64_bits(v) for v in tuples["float"][0]]
+        if literals:
+            attrs["input_literals"] = _literals.encode(literals)
+            attrs["input_literal_positions"] = literal_positions
+        self.constants = attrs  # what the constant arguments make of the node
+
+    @property
+    def attrs(self) -> dict:
+        """The node's attributes: the constants', then the tensor inputs' types and ranks."""
+        if not self.tensors:  # (torch's exporter cannot write an empty list as an attribute)
+            return dict(self.constants)
+        return dict(self.constants, input_tensor_types=[_dtypes.onnx_type(t.dtype) for t in self.tensors],
+                    input_tensor_ranks=[t.dim() for t in self.tensors])
+
+    def key(self, shapes: list) -> tuple:
+        """Identifies the call by its constants (objects by position and type: a callable made on
+        each call matches) and input types and shapes."""
+        frozen = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in self.constants.items()
+                       if k != "input_pointer_scalars")
+        return (frozen, tuple(self.objects), tuple(t.dtype for t in self.tensors),
+                tuple(tuple(s) for s in shapes))
+
+
+def _held_tensor(obj, depth: int = 0) -> str | None:
+    """Describes a tensor (not a parameter) that a callable argument keeps from this run: in a
+    closure, default arguments or a functools.partial; None if it keeps none."""
+    if isinstance(obj, torch.Tensor):
+        return None if isinstance(obj, torch.nn.Parameter) else f"a {tuple(obj.shape)} tensor"
+    if depth > 2:
+        return None
+    if isinstance(obj, (list, tuple)):
+        parts = obj
+    elif isinstance(obj, dict):
+        parts = list(obj.values())
+    elif isinstance(obj, functools.partial):
+        parts = [obj.func, *obj.args, *obj.keywords.values()]
+    elif isinstance(obj, types.FunctionType):
+        parts = [_cell_value(c) for c in obj.__closure__ or ()] + list(obj.__defaults__ or ())
+    else:
+        return None
+    return next((h for h in (_held_tensor(p, depth + 1) for p in parts) if h), None)
+
+
+def _cell_value(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # (a variable not yet assigned)
+        return None
+
+
+def name_nodes(graph: onnx.GraphProto) -> None:
+    """Give each ortbridge node a readable, unique name: PythonOp_<Function>_<k>."""
+    for k, node in enumerate(n for n in graph.node if n.domain == DOMAIN):
+        func = next(a.s.decode() for a in node.attribute if a.name == "func_name")
+        node.name = f"{node.op_type}_{func.rsplit('.', 1)[-1]}_{k}"
+
+
+@contextlib.contextmanager
+def quiet_exporter():
+    """torch's exporter logs warnings about optional packages that do not concern the user."""
+    logger = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            # training=True asks for train mode; torch's advice to call eval() does not apply.
+            warnings.filterwarnings("ignore", "Exporting a model while it is in training mode", UserWarning)
+            yield
+    finally:
+        logger.setLevel(level)

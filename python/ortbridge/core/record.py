@@ -1,0 +1,205 @@
+"""The eager run that records a model's Function calls, each with what its node needs: argument
+layout, output types, ranks and shapes; and the lookup of a traced call in that record."""
+
+from __future__ import annotations
+
+import onnx
+import torch
+
+from .. import _dtypes, registry
+from .functions import ExportError, bind
+from .interception import intercepted
+from .nodes import DOMAIN, Arguments
+
+class Call:
+    """One recorded top-level call of an exported Function."""
+
+    def __init__(self, func: type, arguments: Arguments, args: tuple, result, training: bool, updated: list):
+        """`arguments` were taken before forward ran (forward may change a list or dict it got)."""
+        self.func = func
+        name = arguments.constants["func_name"]
+        self.constants = arguments.constants
+        self.objects = arguments.objects
+        self.input_shapes = [tuple(t.shape) for t in arguments.tensors]
+        self.key = arguments.key(self.input_shapes)
+        self.returns_tuple = isinstance(result, tuple)
+        outputs = result if self.returns_tuple else (result,)
+        for i, o in enumerate(outputs):
+            if not isinstance(o, torch.Tensor):
+                raise ExportError(f"{name}.forward output {i} is {type(o).__name__}; a PythonOp output must be a "
+                                  "tensor. Return tensors only (keep other values on ctx or outside the Function).")
+        self.output_dtypes = [o.dtype for o in outputs]
+        self.differentiable = [o.requires_grad for o in outputs]  # (False for every output without autograd)
+        self.output_shapes = [tuple(o.shape) for o in outputs]
+        self.attrs = dict(arguments.attrs, output_tensor_types=[_dtypes.onnx_type(d) for d in self.output_dtypes],
+                          output_tensor_ranks=[len(s) for s in self.output_shapes], training_mode=int(training))
+        if training:
+            self.attrs["input_requires_grads"] = [int(isinstance(a, torch.Tensor) and a.requires_grad) for a in args]
+        # An output that is a tensor input forward updated (ctx.mark_dirty) is that input in place.
+        tensors = arguments.tensors
+        reuse = [next((i for i in updated if o is tensors[i]), -1) for o in outputs]
+        self.in_place = {j: i for j, i in enumerate(reuse) if i >= 0}  # output -> tensor input
+        not_returned = sorted(set(updated) - set(self.in_place.values()))
+        if not_returned:
+            raise ExportError(f"{name}.forward updated its tensor input {not_returned[0]} in place without "
+                              "returning it; in a graph no other node would see the change. Return that input (with "
+                              "ctx.mark_dirty), or update a copy.")
+        if self.in_place:
+            self.attrs["tensor_reuse_map"] = [-1, *reuse]
+
+    def node_attrs(self, index: int) -> dict:
+        """The attributes of the node for the traced call number `index`: each call is a node of its
+        own, which no optimizer may merge with another of the same inputs (`call_index` differs)."""
+        return dict(self.attrs, call_index=index)
+
+    @property
+    def name(self) -> str:
+        return self.attrs["func_name"]
+
+    def returned(self, tensors: list, outputs) -> object:
+        """What apply returns in a traced graph given the node's outputs: as in eager, an input
+        updated in place is that output, and later reads of it see the update."""
+        outputs = list(outputs)
+        for j, i in self.in_place.items():
+            outputs[j] = tensors[i].copy_(outputs[j])
+        return tuple(outputs) if self.returns_tuple else outputs[0]
+
+    def output_shapes_for(self, traced_inputs: list) -> list:
+        """Output shapes for the graph, from the traced input dims (an int where static; a
+        symbol where dynamic: a SymInt, or None in TorchScript). The Function's own
+        `infer_shape(node, tensor_input_shapes, tensor_input_dtypes) -> (shapes, dtypes)` (ORT's
+        signature) decides when it has one and no dim is None; otherwise an output dim whose size
+        in the eager run equals a dynamic input dim's example size takes that dim's symbol."""
+        infer = getattr(self.func, "infer_shape", None)
+        if infer is not None and not any(d is None for dims in traced_inputs for d in dims):
+            node = onnx.helper.make_node("PythonOp", [], [], domain=DOMAIN, **self.attrs)
+            shapes, _ = infer(node, [list(s) for s in traced_inputs], self.attrs.get("input_tensor_types", []))
+            shapes = [list(s) for s in shapes]
+            if [len(s) for s in shapes] != [len(s) for s in self.output_shapes]:
+                raise ExportError(f"{self.name}.infer_shape returned shapes of ranks {[len(s) for s in shapes]}, "
+                                  f"but forward returned ranks {[len(s) for s in self.output_shapes]}")
+            return shapes
+        symbols = {}
+        for eager, traced in zip(self.input_shapes, traced_inputs):
+            for size, dim in zip(eager, traced):
+                if not isinstance(dim, int):
+                    symbols.setdefault(size, dim)
+        return [[symbols[size] if size in symbols else size for size in shape] for shape in self.output_shapes]
+
+
+def size_hint(dim) -> int:
+    """The example size behind a traced dim (no guard is added)."""
+    return dim if isinstance(dim, int) else dim.node.hint
+
+
+class CallTable:
+    """The recorded calls, looked up by each traced call: same Function, constants (objects by
+    type), input dtypes and example sizes."""
+
+    def __init__(self, calls: list[Call]):
+        self.calls = {}
+        for call in calls:
+            self.calls.setdefault((call.func, call.key), call)
+        self._matched = set()
+
+    @property
+    def functions(self) -> set:
+        return {func for func, _ in self.calls}
+
+    def match(self, func: type, args: tuple, kwargs: dict) -> tuple[Arguments, Call]:
+        """The traced call's arguments and the recorded call it is."""
+        arguments = Arguments(registry.registered_name(func), bind(func, args, kwargs), pin=False)
+        traced = [[size_hint(d) for d in t.shape] for t in arguments.tensors]
+        key = (func, arguments.key(traced))
+        call = self.calls.get(key)
+        if call is None:
+            raise ExportError(f"{arguments.constants['func_name']} was called during tracing with arguments it was "
+                              f"not called with in the eager run of the example inputs: {self._difference(key)}. The "
+                              "model must call its Functions the same way on every run with these inputs.")
+        self._matched.add(key)
+        return arguments, call
+
+    def _difference(self, key) -> str:
+        func, (constants, objects, dtypes, shapes) = key
+        recorded = [k for f, k in self.calls if f is func]
+        if not recorded:
+            return "the eager run made no call of it"
+        eager_constants, eager_objects, eager_dtypes, eager_shapes = recorded[0]
+        for (name, value), (eager_name, eager_value) in zip(constants, eager_constants):
+            if (name, value) != (eager_name, eager_value):
+                return f"attribute {name} is {value!r} here, {eager_value!r} in the eager run"
+        if objects != eager_objects:
+            return f"object arguments (position, type) are {list(objects)} here, {list(eager_objects)} in the eager run"
+        if dtypes != eager_dtypes:
+            return f"tensor input dtypes are {list(dtypes)} here, {list(eager_dtypes)} in the eager run"
+        if shapes != eager_shapes:
+            return f"tensor input shapes are {list(shapes)} here, {list(eager_shapes)} in the eager run"
+        return f"constants {dict(constants)} here, {dict(eager_constants)} in the eager run"
+
+    def unmatched(self) -> list[str]:
+        """Names of the recorded Functions that no traced call reached (apply was not intercepted,
+        or the trace took another path)."""
+        return sorted({call.name for key, call in self.calls.items() if key not in self._matched})
+
+
+# Where torch.compile's autograd_function_apply makes the Function class it applies for a
+# Function dynamo traced (a new class on each call: its operators are in the graph already).
+_DYNAMO_TEMPLATES = "torch._functorch.autograd_function"
+
+
+class Recorder:
+    """Runs the model once eagerly and records each top-level call of an exported Function:
+    registered ones, or every Function with `all_functions` (those are registered here, under
+    their qualified names). Calls made inside an exported Function's forward stay inside it."""
+
+    def __init__(self, all_functions: bool, training: bool):
+        self.all_functions = all_functions
+        self.training = training
+        self.calls: list[Call] = []
+        self.traced_through: set[str] = set()  # Functions seen but not exported
+        self._depth = 0
+
+    def selected_name(self, func: type) -> str | None:
+        if func.__module__ == _DYNAMO_TEMPLATES:  # a graph from dynamo, which inlined this Function already
+            return None
+        name = registry.registered_name(func)
+        if name is None and self.all_functions:
+            registry.register(func)
+            name = registry.registered_name(func)
+        return name
+
+    def run(self, model, args: tuple, kwargs: dict) -> None:
+        """One forward that leaves no trace: buffers (BatchNorm statistics in train mode) and the
+        random number generator are as they were, so the export sees the model as it was."""
+        grad = torch.enable_grad() if self.training else torch.no_grad()
+        buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        with torch.random.fork_rng(devices=[]), grad, intercepted(None, self._apply):
+            model(*args, **kwargs)
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+
+    def _apply(self, func, original, args, kwargs):
+        name = self.selected_name(func) if self._depth == 0 else None
+        if name is None:
+            if self._depth == 0:
+                self.traced_through.add(registry.qualified_name(func))
+            return original(*args, **kwargs)
+        args = bind(func, args, kwargs)
+        arguments = Arguments(name, args)  # before forward runs, which may change a list or dict it got
+        tensors = arguments.tensors
+        versions = [_version(t) for t in tensors]
+        self._depth += 1
+        try:
+            result = original(*args)
+        finally:
+            self._depth -= 1
+        updated = [i for i, (t, v) in enumerate(zip(tensors, versions)) if _version(t) != v]
+        self.calls.append(Call(func, arguments, args, result, self.training, updated))
+        return result
+
+
+def _version(t: torch.Tensor) -> int:
+    """The tensor's in-place update count; inference tensors keep none (and are never updated
+    in place outside inference mode)."""
+    return 0 if t.is_inference() else t._version

@@ -1,0 +1,99 @@
+"""torch operators as PythonOp nodes: the fallback for operators torch's ONNX exporter cannot
+write (convolution_backward, avg_pool2d_backward, a user's torch.library op...).
+
+A func_name of the form `namespace::op.overload` (`aten::convolution_backward.default`) names a
+torch operator instead of a registered Function. It resolves only among the operators already
+registered with torch in a namespace that is allowed (`aten`, and those passed to
+`allow_operators`): never by importing a module. The node's constants are the operator's
+non-tensor arguments after two of their own: the layout (per argument, -1 for one value or the
+length of a list) and the names of the trailing keyword arguments.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import torch
+
+_NAME = re.compile(r"([A-Za-z][A-Za-z0-9_]*)::([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)\Z")
+_DENIED = {"aten::from_file"}  # would read a file the model names
+_lock = threading.Lock()
+_namespaces = {"aten"}
+_functions: dict[str, type] = {}
+
+
+def allow_operators(namespace: str) -> None:
+    """Let graphs run the operators of torch.ops.<namespace> (a torch.library namespace the
+    process defines) as fallback nodes, and let the exporters emit them."""
+    if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", namespace):
+        raise ValueError(f"not an operator namespace: {namespace!r}")
+    with _lock:
+        _namespaces.add(namespace)
+
+
+def allowed(namespace: str) -> bool:
+    return namespace in _namespaces
+
+
+def is_operator_name(func_name: str) -> bool:
+    return "::" in func_name
+
+
+def name_of(op: torch._ops.OpOverload) -> str:
+    """The func_name of an operator: `namespace::op.overload`."""
+    return f"{op.namespace}::{op._schema.name.split('::', 1)[1]}.{op._overloadname}"
+
+
+def function(func_name: str) -> type:
+    """The Function whose forward runs the named operator (cached per name)."""
+    found = _functions.get(func_name)
+    if found is None:
+        found = _functions.setdefault(func_name, _make_function(func_name, _resolve(func_name)))
+    return found
+
+
+def _resolve(func_name: str) -> torch._ops.OpOverload:
+    match = _NAME.match(func_name)
+    if not match:
+        raise LookupError(f"func_name '{func_name}' is not an operator name of the form namespace::op.overload")
+    namespace, op, overload = match.groups()
+    if not allowed(namespace):
+        raise LookupError(f"func_name '{func_name}': operators of namespace '{namespace}' are not allowed here "
+                          f"(allowed: {', '.join(sorted(_namespaces))}; ortbridge.allow_operators adds one)")
+    if f"{namespace}::{op}" in _DENIED:
+        raise LookupError(f"func_name '{func_name}': this operator is not allowed in a graph")
+    packet = getattr(getattr(torch.ops, namespace), op, None) if not op.startswith("__") else None
+    if not isinstance(packet, torch._ops.OpOverloadPacket) or overload not in packet.overloads():
+        raise LookupError(f"func_name '{func_name}' names no operator registered with torch in this process")
+    return getattr(packet, overload)
+
+
+def flatten_outputs(result) -> list:
+    """The tensors an operator returned, in order (absent ones, None, left out)."""
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if isinstance(result, (tuple, list)):
+        return [t for r in result for t in flatten_outputs(r)]
+    if result is None:
+        return []
+    raise TypeError(f"an operator returned a {type(result).__name__}; a fallback node gives tensors only")
+
+
+def _make_function(func_name: str, op: torch._ops.OpOverload) -> type:
+    def forward(ctx, layout, keywords, *values):
+        args, given = [], iter(values)
+        for size in layout:
+            args.append(next(given) if size < 0 else [next(given) for _ in range(size)])
+        split = len(args) - len(keywords)
+        return tuple(flatten_outputs(op(*args[:split], **dict(zip(keywords, args[split:])))))
+
+    def backward(ctx, *grads):
+        raise RuntimeError(f"{func_name} runs as an operator node, which has no backward of its own")
+
+    namespace, rest = func_name.split("::", 1)
+    cls = type(rest, (torch.autograd.Function,), {"forward": staticmethod(forward),
+                                                   "backward": staticmethod(backward)})
+    cls.__module__ = namespace
+    cls._ortbridge_name = func_name
+    return cls

@@ -1,0 +1,385 @@
+"""What a capture must get right on models as users write them: operators torch's ONNX exporter
+cannot write (the fallback), every way a Function's apply is reached, one node per call, library
+code that asks whether it is traced, module state, arguments, and the options of OrtModule and
+the torch.compile backend."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import ortbridge
+from ortbridge import registry
+from test_training import _all_captures, train_like_eager
+
+F = torch.nn.functional
+
+
+def _ortbridge_nodes(model: onnx.ModelProto) -> list[str]:
+    """func_name of each ortbridge node, in graph order."""
+    return [next(a.s.decode() for a in n.attribute if a.name == "func_name")
+            for n in model.graph.node if n.domain == "ortbridge"]
+
+
+def _graph_nodes(wrapped, kind: int) -> list[str]:
+    """func_names in the forward (0) or backward (1) graph of the wrapped module's one capture."""
+    (capture,) = _all_captures(wrapped)
+    return _ortbridge_nodes(capture.sessions[kind].model)
+
+
+def _images(step: int) -> tuple:
+    g = torch.Generator().manual_seed(step)
+    return (torch.randn(2, 3, 10, 10, generator=g),)
+
+
+class Gelu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return F.gelu(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        cdf = 0.5 * (1 + torch.erf(x / 2 ** 0.5))
+        return grad * (cdf + x * torch.exp(-0.5 * x * x) / (2 * torch.pi) ** 0.5)
+
+
+class Noise(torch.autograd.Function):
+    """Adds uniform noise: two calls on the same input draw different numbers."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x + torch.rand_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+# --- operators torch's ONNX exporter cannot write -----------------------------------------------
+
+def test_convolution_and_pooling_train_with_their_backward_run_by_pytorch():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.AvgPool2d(2),
+                                torch.nn.Conv2d(4, 4, 3, groups=2), torch.nn.AdaptiveAvgPool2d(1),
+                                torch.nn.Flatten(), torch.nn.Linear(4, 2))
+    wrapped = train_like_eager(model, _images)
+    backward = _graph_nodes(wrapped, 1)
+    assert "aten::convolution_backward.default" in backward
+    assert "aten::avg_pool2d_backward.default" in backward
+    assert all(name.startswith("aten::") for name in backward)
+
+
+def test_torch_compile_trains_a_cnn():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Hardswish(), torch.nn.Flatten(),
+                                torch.nn.Linear(256, 2))
+    train_like_eager(model, _images, wrap=lambda m: torch.compile(m, backend="ortbridge"))
+
+
+@torch.library.custom_op("ortbridge_test::triple", mutates_args=())
+def triple(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+@triple.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class Tripling(torch.nn.Module):
+    def forward(self, x):
+        return triple(x).sum(1)
+
+
+def test_export_runs_an_operator_without_onnx_translation_in_pytorch():
+    x = torch.randn(5, 4)
+    with pytest.raises(ortbridge.ExportError, match=r"ortbridge_test::triple.default .*allow_operators\('ortbridge_test'\)"):
+        ortbridge.export(Tripling(), (x,))
+    ortbridge.allow_operators("ortbridge_test")
+    model = ortbridge.export(Tripling(), (x,), dynamic_shapes={"x": {0: "batch"}})
+    assert _ortbridge_nodes(model) == ["ortbridge_test::triple.default"]
+    session = ortbridge.InferenceSession(model.SerializeToString())
+    for batch in (5, 2):
+        x = torch.randn(batch, 4)
+        (y,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+        np.testing.assert_allclose(y, (x * 3).sum(1).numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["os::system.default", "aten::from_file.default", "aten::__class__.default",
+                                  "aten::name.default", "aten::add.__dict__", "aten::add", "aten::no_such_op.default",
+                                  "not_allowed::triple.default"])
+def test_operator_names_resolve_only_to_allowed_registered_operators(name):
+    with pytest.raises(LookupError):
+        registry.lookup(name)
+
+
+def test_operator_node_runs_the_operator():
+    forward = registry.lookup("aten::add.Tensor").forward
+    (out,) = forward(None, (-1, -1, -1), ("alpha",), torch.ones(2), torch.ones(2), 2)
+    assert out.tolist() == [3.0, 3.0]
+
+
+# --- every way a Function's apply is reached ----------------------------------------------------
+
+_aliased = Gelu.apply
+
+
+def _closure():
+    apply = Gelu.apply
+    return lambda h: apply(h)
+
+
+class EveryWay(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.bound = Gelu.apply  # the idiom of ORT's own tests
+        self.partial = functools.partial(Gelu.apply)
+        self.closure = _closure()
+
+    def forward(self, x):
+        h = self.lin(x)
+        return Gelu.apply(h) + self.bound(h * 2) + self.partial(h * 3) + self.closure(h * 4) + _aliased(h * 5)
+
+
+def test_every_way_of_reaching_apply_is_a_python_op_in_training():
+    torch.manual_seed(0)
+    wrapped = train_like_eager(EveryWay())
+    assert _graph_nodes(wrapped, 0).count(registry.qualified_name(Gelu)) == 5
+    assert _graph_nodes(wrapped, 1).count(registry.qualified_name(Gelu)) == 5
+
+
+@pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "torchscript"])
+def test_every_way_of_reaching_apply_is_a_python_op_in_export(dynamo):
+    model = EveryWay().eval()
+    x = torch.randn(3, 4)
+    proto = ortbridge.export(model, (x,), dynamo=dynamo, all_functions=True)
+    assert _ortbridge_nodes(proto).count(registry.qualified_name(Gelu)) == 5
+    session = ortbridge.InferenceSession(proto.SerializeToString())
+    (y,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    np.testing.assert_allclose(y, model(x).detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+# --- every call its own node --------------------------------------------------------------------
+
+class Twice(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return Gelu.apply(h) * Gelu.apply(h)
+
+
+def test_same_function_twice_on_the_same_inputs_trains():
+    torch.manual_seed(0)
+    wrapped = train_like_eager(Twice())
+    assert _graph_nodes(wrapped, 0).count(registry.qualified_name(Gelu)) == 2
+    assert _graph_nodes(wrapped, 1).count(registry.qualified_name(Gelu)) == 2
+
+
+class TwoDraws(torch.nn.Module):
+    def forward(self, x):
+        return Noise.apply(x), Noise.apply(x)
+
+
+def test_a_function_drawing_random_numbers_twice_draws_twice():
+    x = torch.zeros(64, requires_grad=True)
+    a, b = ortbridge.OrtModule(TwoDraws())(x)
+    assert not torch.equal(a, b)
+    (a + b).sum().backward()
+    assert x.grad.tolist() == [2.0] * 64
+    proto = ortbridge.export(TwoDraws(), (x.detach(),), all_functions=True)
+    session = ortbridge.InferenceSession(proto.SerializeToString())
+    a, b = session.run(None, {session.get_inputs()[0].name: np.zeros(64, np.float32)})
+    assert not np.array_equal(a, b)
+
+
+# --- library code sees a trace ------------------------------------------------------------------
+
+class AsksIfCompiling(torch.nn.Module):
+    def forward(self, x):
+        return x * 2 if torch.compiler.is_compiling() and torch.compiler.is_exporting() else x * 3
+
+
+def test_capture_runs_as_torch_export_does():
+    x = torch.ones(3, requires_grad=True)
+    assert ortbridge.OrtModule(AsksIfCompiling())(x).tolist() == [2.0] * 3
+    assert not torch.compiler.is_compiling()
+
+
+class DataDependent(torch.nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # the line the error names
+            return x * 2
+        return x
+
+
+def test_data_dependent_failure_names_the_users_line():
+    with pytest.raises(RuntimeError, match=r"test_capture.py:\d+ \(if x.sum\(\) > 0:.*\).*non-tensor argument"):
+        ortbridge.OrtModule(DataDependent())(torch.ones(3, requires_grad=True))
+
+
+# --- module state -------------------------------------------------------------------------------
+
+class PlainTensorAttribute(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.scale = torch.full((4,), 0.5)  # neither a parameter nor a buffer
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def test_plain_tensor_attribute_is_a_constant_of_the_graph():
+    torch.manual_seed(0)
+    train_like_eager(PlainTensorAttribute())
+
+
+class AddBias(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return x + self.bias
+
+
+def test_backward_with_nothing_to_compute_has_no_session():
+    torch.manual_seed(0)
+    wrapped = train_like_eager(AddBias(), lambda step: (torch.full((4,), float(step), requires_grad=True),))
+    (capture,) = _all_captures(wrapped)
+    assert capture.sessions[1].session is None
+
+
+def test_parameters_and_modules_have_the_wrapped_modules_names():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+    wrapped = ortbridge.OrtModule(model)
+    for method in ("named_parameters", "named_buffers", "named_modules"):
+        assert [n for n, _ in getattr(wrapped, method)()] == [n for n, _ in getattr(model, method)()], method
+    assert list(wrapped.parameters()) == list(model.parameters())
+    assert list(wrapped.buffers()) == list(model.buffers())
+    assert list(wrapped.modules()) == list(model.modules())
+    assert list(wrapped.state_dict()) == list(model.state_dict())
+
+
+# --- arguments ----------------------------------------------------------------------------------
+
+class Checkpointed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+
+    def forward(self, x):
+        h = checkpoint(self.block.forward, self.lin(x), use_reentrant=True)  # a bound method made on each call
+        return checkpoint(lambda t: self.block(t) * 2, h, use_reentrant=True)  # a lambda made on each call
+
+
+def test_checkpoint_through_a_bound_method_and_a_lambda():
+    torch.manual_seed(0)
+    wrapped = train_like_eager(Checkpointed())
+    assert _graph_nodes(wrapped, 0) == ["torch.utils.checkpoint.CheckpointFunction"] * 2
+
+
+class HoldsTensor(torch.nn.Module):
+    def forward(self, x):
+        offset = x.detach() * 2  # a tensor of this run, which a graph constant cannot stay
+        return checkpoint(lambda t: t + offset, x, use_reentrant=True)
+
+
+def test_a_callable_holding_a_tensor_of_the_run_is_refused_naming_the_argument():
+    with pytest.raises(ortbridge.ExportError, match=r"argument 0 of .*CheckpointFunction.apply is a function that "
+                                                    r"holds a \(3,\) tensor"):
+        ortbridge.OrtModule(HoldsTensor())(torch.ones(3, requires_grad=True))
+
+
+class PopsOption(torch.autograd.Function):
+    """Forward changes the dict it is given, as some library code does."""
+
+    @staticmethod
+    def forward(ctx, x, options):
+        return x * options.pop("scale")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2, None
+
+
+class PassesOptions(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return PopsOption.apply(self.lin(x), {"scale": 2.0})
+
+
+def test_an_argument_forward_changes_is_recorded_as_it_was_given():
+    torch.manual_seed(0)
+    train_like_eager(PassesOptions())
+
+
+class TrailingNones(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None, None, None  # torch accepts extra trailing Nones
+
+
+def test_backward_may_return_extra_trailing_nones():
+    torch.manual_seed(0)
+    train_like_eager(torch.nn.Sequential(torch.nn.Linear(4, 4), _Calls(TrailingNones, 3.0)))
+
+
+class _Calls(torch.nn.Module):
+    def __init__(self, func, *constants):
+        super().__init__()
+        self.func, self.constants = func, constants
+
+    def forward(self, x):
+        return self.func.apply(x, *self.constants)
+
+
+# --- options ------------------------------------------------------------------------------------
+
+def test_options_session_options_providers_save_graphs_and_logging(tmp_path, caplog):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    wrapped = ortbridge.OrtModule(torch.nn.Sequential(torch.nn.Linear(4, 4), _Calls(Gelu)), session_options=options,
+                                  providers=["CPUExecutionProvider"], save_graphs=tmp_path / "graphs")
+    with caplog.at_level(logging.INFO, logger="ortbridge"):
+        wrapped(torch.randn(2, 4)).sum().backward()
+    saved = sorted(os.listdir(tmp_path / "graphs"))
+    assert [name.rsplit("_", 1)[1] for name in saved] == ["backward.onnx", "forward.onnx"]
+    assert _ortbridge_nodes(onnx.load(tmp_path / "graphs" / saved[1])) == [registry.qualified_name(Gelu)]
+    for session in _all_captures(wrapped)[0].sessions:
+        assert session.session.get_session_options().intra_op_num_threads == 1
+        assert session.session.get_providers() == ["CPUExecutionProvider"]
+    assert any("captured Sequential_" in r.getMessage() for r in caplog.records)
+
+
+def test_backend_options(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+    compiled = torch.compile(model, backend="ortbridge", options={"save_graphs": str(tmp_path)})
+    compiled(torch.randn(2, 4)).sum().backward()
+    assert sorted(n.rsplit("_", 1)[1] for n in os.listdir(tmp_path)) == ["backward.onnx", "forward.onnx"]
+    with pytest.raises(Exception, match="unknown ortbridge backend options"):
+        torch.compile(torch.nn.Linear(2, 2), backend="ortbridge", options={"colour": 1})(torch.randn(1, 2))
