@@ -12,6 +12,7 @@ import torch
 
 from . import dims
 from ..core import fallback
+from ..core.functions import ExportError
 from ..core.interception import intercepted
 from ..core.nodes import DOMAIN
 from ..core.record import Call, CallTable
@@ -36,10 +37,16 @@ def export(model, args: tuple, kwargs: dict, dynamic_shapes, calls: list[Call], 
     # Capture with torch.export ourselves, non-strict only: torch.onnx.export would retry a failed
     # capture in strict mode, where dynamo inlines Function.apply without calling ours.
     # Like torch.onnx.export: a dynamic dim may have an example size of 0 or 1.
-    with intercepted({call.func for call in calls}, _Emitter(calls)), \
+    emitter = _Emitter(calls)
+    with intercepted({call.func for call in calls}, emitter), \
             torch.fx.experimental._config.patch(backed_size_oblivious=True):
         shapes = dims.for_torch_export(dynamic_shapes)
         program = torch.export.export(model, args, kwargs=kwargs, strict=False, dynamic_shapes=shapes)
+        missed = emitter.table.unmatched()
+        if missed:
+            raise ExportError(f"the eager run called {', '.join(missed)}, but torch.export's trace never reached its "
+                              "apply, so it cannot be a PythonOp; the model must call its Functions the same way on "
+                              "every run with these inputs.")
         program = fallback.exportable(program, args, kwargs, shapes)
     proto = torch.onnx.export(program, args, kwargs=kwargs, dynamo=True, opset_version=opset_version,
                               verbose=False).model_proto

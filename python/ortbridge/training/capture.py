@@ -35,12 +35,13 @@ from .graph import GraphSession
 aten = torch.ops.aten
 log = logging.getLogger("ortbridge")
 # Operators torch's ONNX exporter writes wrongly for training, traced as the operators they are
-# made of instead: batch norm in training mode became BatchNormalization in inference mode.
-# (Likewise attention: the capture asks for the math kernel, as the fused ones' outputs saved
-# for backward got other shapes than torch's.)
+# made of instead: batch norm in training mode became BatchNormalization in inference mode; the
+# total weight that nll_loss_forward gives its backward came out as 1 (gradients of a mean loss
+# multiplied by the batch size). (Likewise attention: the capture asks for the math kernel, as
+# the fused ones' outputs saved for backward got other shapes than torch's.)
 _DECOMPOSITIONS = torch._decomp.get_decompositions([
     aten._native_batch_norm_legit_functional, aten._native_batch_norm_legit, aten.native_batch_norm,
-    aten.native_batch_norm_backward])
+    aten.native_batch_norm_backward, aten.nll_loss_forward])
 
 
 def _select_backward(grad, input_sizes, dim, index):
