@@ -3,7 +3,7 @@ write (convolution_backward, avg_pool2d_backward, a user's torch.library op...).
 
 A func_name of the form `namespace::op.overload` (`aten::convolution_backward.default`) names a
 torch operator instead of a registered Function. It resolves only among the operators already
-registered with torch in a namespace that is allowed (`aten`, and those passed to
+registered with torch in a namespace that is allowed (`aten`, `prims`, and those passed to
 `allow_operators`): never by importing a module. The node's constants are the operator's
 non-tensor arguments after two of their own: the layout (per argument, -1 for one value or the
 length of a list) and the names of the trailing keyword arguments.
@@ -19,7 +19,7 @@ import torch
 _NAME = re.compile(r"([A-Za-z][A-Za-z0-9_]*)::([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)\Z")
 _DENIED = {"aten::from_file"}  # would read a file the model names
 _lock = threading.Lock()
-_namespaces = {"aten"}
+_namespaces = {"aten", "prims"}  # (prims: torch's primitives, which its decompositions emit)
 _functions: dict[str, type] = {}
 
 

@@ -23,10 +23,11 @@ log = logging.getLogger("ortbridge")
 
 
 aten = torch.ops.aten
-# Operators that have a decomposition torch's exporter would use, but that run faster as a
-# fallback node (PyTorch's kernel) than decomposed in ONNX Runtime: chosen per operator by
-# benchmarks/fallback_ops.py (both ways, in training steps, same run).
-PYTORCH_PREFERRED: set = set()
+# Operators run by PyTorch even though torch's exporter could write them: those it writes
+# wrongly (_embedding_bag: the max indices that mode="max" saves for backward), and those with a
+# decomposition that ONNX Runtime runs slower than PyTorch runs the operator, chosen per operator
+# by benchmarks/fallback_ops.py (both ways, in training steps, in one run).
+PYTORCH_PREFERRED: set = {aten._embedding_bag.default}
 
 
 @functools.cache
@@ -40,7 +41,7 @@ def _onnx_registry():
 
 def _needs_fallback(node: torch.fx.Node, translated: frozenset) -> bool:
     return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-            and node.target not in translated)
+            and (node.target not in translated or node.target in PYTORCH_PREFERRED))
 
 
 def exportable(program: torch.export.ExportedProgram, args: tuple, kwargs: dict | None = None,

@@ -67,6 +67,7 @@ class Arguments:
     def __init__(self, name: str, args: tuple, tensor_type: type = torch.Tensor, pin: bool = True):
         self.tensors = []  # the node's inputs (torch._C.Value in a TorchScript graph)
         self.objects = []  # (position, type name) of constants held by reference
+        self.object_kinds = []  # (position, what identifies the object across runs)
         convention = []
         scalars = {"bool": ([], []), "int": ([], []), "float": ([], []), "pointer": ([], [])}
         tuples = {"bool": ([], [], []), "int": ([], [], []), "float": ([], [], [])}
@@ -108,6 +109,7 @@ class Arguments:
                 values.append(registry.pin_object(arg) if pin else 0)
                 positions.append(position)
                 self.objects.append((position, type(arg).__name__))
+                self.object_kinds.append((position, _kind(arg)))
         attrs = {"func_name": name, "input_convention": "".join(convention)}
         for kind, (values, positions) in scalars.items():
             if values:
@@ -136,11 +138,11 @@ class Arguments:
                     input_tensor_ranks=[t.dim() for t in self.tensors])
 
     def key(self, shapes: list) -> tuple:
-        """Identifies the call by its constants (objects by position and type: a callable made on
-        each call matches) and input types and shapes."""
+        """Identifies the call by its constants (objects by what they are, not their identity: a
+        callable made anew on each call matches) and input types and shapes."""
         frozen = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in self.constants.items()
                        if k != "input_pointer_scalars")
-        return (frozen, tuple(self.objects), tuple(t.dtype for t in self.tensors),
+        return (frozen, tuple(self.object_kinds), tuple(t.dtype for t in self.tensors),
                 tuple(tuple(s) for s in shapes))
 
 
@@ -162,6 +164,28 @@ def _held_tensor(obj, depth: int = 0) -> str | None:
     else:
         return None
     return next((h for h in (_held_tensor(p, depth + 1) for p in parts) if h), None)
+
+
+def _kind(obj, depth: int = 0):
+    """What identifies an object argument from one run to the next: a function by its code and
+    what its closure and defaults hold, a bound method by its function and object, a partial by
+    its parts, plain values by value; any other object (a module, say) by identity."""
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if depth > 3:
+        return type(obj), id(obj)
+    if isinstance(obj, (list, tuple)):
+        return type(obj), tuple(_kind(v, depth + 1) for v in obj)
+    if isinstance(obj, dict):
+        return dict, tuple((k, _kind(v, depth + 1)) for k, v in obj.items())
+    if isinstance(obj, types.FunctionType):
+        return (types.FunctionType, obj.__code__, tuple(_kind(_cell_value(c), depth + 1) for c in obj.__closure__ or ()),
+                _kind(obj.__defaults__, depth + 1))
+    if isinstance(obj, types.MethodType):
+        return types.MethodType, obj.__func__, id(obj.__self__)
+    if isinstance(obj, functools.partial):
+        return functools.partial, _kind((obj.func, obj.args, obj.keywords), depth + 1)
+    return type(obj), id(obj)
 
 
 def _cell_value(cell):

@@ -129,7 +129,10 @@ class CallTable:
             if (name, value) != (eager_name, eager_value):
                 return f"attribute {name} is {value!r} here, {eager_value!r} in the eager run"
         if objects != eager_objects:
-            return f"object arguments (position, type) are {list(objects)} here, {list(eager_objects)} in the eager run"
+            position = next(a[0] for a, b in zip(objects, eager_objects) if a != b) if len(objects) == len(
+                eager_objects) else "?"
+            return (f"argument {position} is another object than in the eager run (a function with other code or "
+                    "closure values, a method of another object, or another object)")
         if dtypes != eager_dtypes:
             return f"tensor input dtypes are {list(dtypes)} here, {list(eager_dtypes)} in the eager run"
         if shapes != eager_shapes:
@@ -169,15 +172,20 @@ class Recorder:
         return name
 
     def run(self, model, args: tuple, kwargs: dict) -> None:
-        """One forward that leaves no trace: buffers (BatchNorm statistics in train mode) and the
-        random number generator are as they were, so the export sees the model as it was."""
+        """One forward that leaves no trace: buffers (BatchNorm statistics in train mode), tensor
+        arguments it updates in place (a dynamo graph's buffers are arguments) and the random
+        number generator are as they were, so the export sees the model as it was."""
         grad = torch.enable_grad() if self.training else torch.no_grad()
-        buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        arguments = [x for x in torch.utils._pytree.tree_leaves((args, kwargs))
+                     if isinstance(x, torch.Tensor) and not x.requires_grad and not x.is_inference()]
+        states = {id(t): (t, t.detach().clone()) for t in (*model.buffers(), *arguments)}
         with torch.random.fork_rng(devices=[]), grad, intercepted(None, self._apply):
             model(*args, **kwargs)
         with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
+            for tensor, saved in states.values():
+                # (compared by value: batch norm's kernel updates running statistics without a version count)
+                if not torch.equal(tensor, saved):
+                    tensor.copy_(saved)
 
     def _apply(self, func, original, args, kwargs):
         name = self.selected_name(func) if self._depth == 0 else None

@@ -262,18 +262,30 @@ class GraphSession:
         bind_input, bind_output, cpu = binding._iobinding.bind_input, binding._iobinding.bind_output, self.cpu
         for name, k, numpy_type in self.input_bindings:
             t = inputs[k]
-            bind_input(name, cpu, numpy_type, t.shape, t.data_ptr())
+            bind_input(name, cpu, numpy_type, t.shape, t.data_ptr() or _placeholder_address(t))
         outputs = [torch.from_dlpack(_C.context_id_capsule()) if is_context else torch.empty(shape, dtype=dtype)
                    for (dtype, is_context), shape in zip(self.graph.outputs, self.graph.output_shapes(inputs))]
         for (name, numpy_type), t in zip(self.output_bindings, outputs):
-            bind_output(name, cpu, numpy_type, t.shape, t.data_ptr())
+            bind_output(name, cpu, numpy_type, t.shape, t.data_ptr() or _placeholder_address(t))
         self.session.run_with_iobinding(binding)
         return outputs
 
 
+_PLACEHOLDER = torch.empty(16, dtype=torch.uint8)
+
+
+def _placeholder_address(t: torch.Tensor) -> int:
+    """An address for a tensor without elements (whose own is 0, which ORT refuses to bind)."""
+    assert t.numel() == 0, "a tensor with elements at address 0"
+    return _PLACEHOLDER.data_ptr()
+
+
 def _export(gm: torch.fx.GraphModule, inputs: list) -> onnx.ModelProto:
     """The graph as ONNX, its inputs' symbolic dims dynamic."""
-    example = tuple(torch.zeros([size_hint(d) for d in t.shape], dtype=t.dtype) for t in inputs)
+    # (with the traced strides: the graph may view an input in ways only its own layout allows)
+    example = tuple(torch.zeros_like(torch.empty_strided([size_hint(d) for d in t.shape],
+                                                         [size_hint(s) for s in t.stride()], dtype=t.dtype),
+                                     memory_format=torch.preserve_format) for t in inputs)
     dynamic = tuple({d: torch.export.Dim.AUTO for d, size in enumerate(t.shape) if not isinstance(size, int)}
                     for t in inputs)
     # (under dynamo, the fake mode of its trace is still current)
