@@ -1,21 +1,34 @@
-"""Training-step time of a small transformer block with a custom Function: OrtModule and
-torch.compile(backend="ortbridge") against eager PyTorch.
+"""Training-step time of two small models with a custom Function, a transformer block and a
+mobilenet-like CNN: OrtModule and torch.compile(backend="ortbridge") against eager PyTorch.
 
 What is measured
 ----------------
-One step = forward, mean-squared loss, backward, AdamW step, zero_grad, on a pre-norm
-transformer block (LayerNorm, 4-head self-attention, LayerNorm, MLP) whose MLP activation is a
-custom autograd.Function (bias + GeLU, hand-written backward). Three copies of the same model,
-trained on the same batch:
+One step = forward, loss, backward, AdamW step, zero_grad. Two models, each at two sizes:
+  Block  a pre-norm transformer block (LayerNorm, 4-head self-attention, LayerNorm, MLP) whose
+         MLP activation is a custom autograd.Function (bias + GeLU, hand-written backward);
+         mean-squared loss against a random target. Size: batch x seq x width.
+  CNN    a mobilenet-like network: a stride-2 3x3 stem conv (3 -> 16) + BatchNorm + activation,
+         four inverted-residual blocks (1x1 expand conv, BN, act, depthwise 3x3 conv, two of
+         them stride 2, BN, act, squeeze-excite with a hard-sigmoid in two of them, 1x1 project
+         conv, BN, residual where the shapes match), global average pool, Linear to 10 classes.
+         Its activation is a custom autograd.Function, HardSwishMe (as timm's memory-efficient
+         activations: forward x * relu6(x + 3) / 6 saving only x, hand-written backward from x);
+         BatchNorm in training mode (batch statistics, running stats updated). Cross-entropy
+         loss on random labels. Size: batch x channels x height x width.
+Three copies of the same model, trained on the same batch:
   eager     plain PyTorch
   OrtModule ortbridge.OrtModule: ONNX Runtime runs the forward and backward graphs, the
-            Function runs in PyTorch as a PythonOp / PythonOpGrad pair
-  compile   torch.compile(model, backend="ortbridge"): dynamo captures the graph (it inlines this
-            traceable Function, so ONNX Runtime runs its operators), ONNX Runtime runs it
+            Function runs in PyTorch as a PythonOp / PythonOpGrad pair (and so do operators
+            torch's ONNX exporter cannot write, such as the CNN's aten::convolution_backward)
+  compile   torch.compile(model, backend="ortbridge"): dynamo captures the graph (it inlines these
+            traceable Functions, so ONNX Runtime runs their operators), ONNX Runtime runs it
 Before timing, each wrapped copy must give eager's loss at the first step (graphs are captured
 then, outside the timing). The table gives the median step time over --repeats repeats and the
 ratio to eager from the same run (lower is better; 1.0 = as fast as eager). ONNX Runtime and
-torch use their default thread counts.
+torch use their default thread counts (torch's; OrtModule gives ONNX Runtime as many), or
+--threads for both. On a machine whose cores are busy with other work, use --threads 1: a
+parallel region waits for each of its threads to be scheduled, which can make steps many
+times slower than on an idle machine.
 """
 
 from __future__ import annotations
@@ -64,11 +77,84 @@ class Block(torch.nn.Module):
         return x + self.down(BiasGelu.apply(self.up(self.norm2(x)), self.bias))
 
 
-def trainer(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
+class HardSwishMe(torch.autograd.Function):
+    """Hard-swish that saves only its input (timm's memory-efficient activation)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * (x + 3).clamp(min=0, max=6).div(6)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        m = torch.where((x >= -3) & (x <= 3), x / 3 + 0.5, (x > 3).to(x.dtype))
+        return g * m
+
+
+class HardSwish(torch.nn.Module):
+    def forward(self, x):
+        return HardSwishMe.apply(x)
+
+
+def conv_bn(cin: int, cout: int, kernel: int = 1, stride: int = 1, groups: int = 1, act: bool = True):
+    layers = [torch.nn.Conv2d(cin, cout, kernel, stride, kernel // 2, groups=groups, bias=False),
+              torch.nn.BatchNorm2d(cout)]
+    return torch.nn.Sequential(*layers, HardSwish()) if act else torch.nn.Sequential(*layers)
+
+
+class SqueezeExcite(torch.nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.reduce = torch.nn.Conv2d(channels, channels // 4, 1)
+        self.expand = torch.nn.Conv2d(channels // 4, channels, 1)
+
+    def forward(self, x):
+        s = F.relu(self.reduce(x.mean((2, 3), keepdim=True)))
+        return x * F.hardsigmoid(self.expand(s))
+
+
+class InvertedResidual(torch.nn.Module):
+    def __init__(self, cin: int, expanded: int, cout: int, stride: int, se: bool):
+        super().__init__()
+        self.expand = conv_bn(cin, expanded)
+        self.depthwise = conv_bn(expanded, expanded, 3, stride, groups=expanded)
+        self.se = SqueezeExcite(expanded) if se else torch.nn.Identity()
+        self.project = conv_bn(expanded, cout, act=False)
+        self.residual = stride == 1 and cin == cout
+
+    def forward(self, x):
+        y = self.project(self.se(self.depthwise(self.expand(x))))
+        return x + y if self.residual else y
+
+
+class CNN(torch.nn.Module):
+    def __init__(self, classes: int = 10):
+        super().__init__()
+        self.stem = conv_bn(3, 16, 3, 2)
+        self.blocks = torch.nn.Sequential(InvertedResidual(16, 64, 16, 1, False), InvertedResidual(16, 64, 24, 2, True),
+                                          InvertedResidual(24, 96, 24, 1, True), InvertedResidual(24, 96, 40, 2, False))
+        self.head = torch.nn.Linear(40, classes)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+def block_case(batch: int, seq: int, width: int):
+    return (Block(width), torch.randn(batch, seq, width), torch.randn(batch, seq, width), F.mse_loss,
+            f"{batch} x {seq} x {width}")
+
+
+def cnn_case(batch: int, side: int):
+    return (CNN(), torch.randn(batch, 3, side, side), torch.randint(0, 10, (batch,)), F.cross_entropy,
+            f"{batch} x 3 x {side} x {side}")
+
+
+def trainer(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step() -> torch.Tensor:
-        loss = F.mse_loss(model(x), y)
+        loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -81,27 +167,32 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--target", type=float, default=0.3, help="seconds per repeat")
-    parser.add_argument("--quick", action="store_true", help="one small shape, few repeats (a smoke test)")
+    parser.add_argument("--quick", action="store_true", help="one small shape per model, few repeats (a smoke test)")
+    parser.add_argument("--threads", type=int, help="torch's (and so ONNX Runtime's) thread count")
     args = parser.parse_args()
-    shapes = [(8, 16, 64)] if args.quick else [(8, 16, 64), (16, 64, 128)]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cases = [("Block", block_case, (8, 16, 64)), ("CNN", cnn_case, (8, 32))]
+    if not args.quick:
+        cases[1:1] = [("Block", block_case, (16, 64, 128))]
+        cases.append(("CNN", cnn_case, (16, 64)))
     repeats, target = (3, 0.05) if args.quick else (args.repeats, args.target)
     print(versions())
     print(f"torch threads {torch.get_num_threads()}; median of {repeats} repeats\n")
-    print(f"{'batch x seq x width':>20} {'eager ms':>9} {'OrtModule ms':>13} {'ratio':>6} {'compile ms':>11} {'ratio':>6}")
-    for batch, seq, width in shapes:
+    print(f"{'model':>5} {'size':>18} {'eager ms':>9} {'OrtModule ms':>13} {'ratio':>6} {'compile ms':>11} {'ratio':>6}")
+    for name, case, shape in cases:
         torch.manual_seed(0)
-        model = Block(width)
-        x, y = torch.randn(batch, seq, width), torch.randn(batch, seq, width)
+        model, x, y, loss_fn, size = case(*shape)
         torch._dynamo.reset()
-        steps = [trainer(m, x, y) for m in (copy.deepcopy(model), ortbridge.OrtModule(copy.deepcopy(model)),
-                                            torch.compile(copy.deepcopy(model), backend="ortbridge"))]
+        steps = [trainer(m, x, y, loss_fn) for m in (copy.deepcopy(model), ortbridge.OrtModule(copy.deepcopy(model)),
+                                                     torch.compile(copy.deepcopy(model), backend="ortbridge"))]
         first = [s() for s in steps]  # captures the graphs
-        for name, loss in zip(("OrtModule", "compile"), first[1:]):
+        for wrapper, loss in zip(("OrtModule", "compile"), first[1:]):
             if not torch.allclose(loss, first[0], rtol=1e-4, atol=1e-6):
-                print(f"{name} loss {loss.item()} differs from eager's {first[0].item()}")
+                print(f"{name} {size}: {wrapper} loss {loss.item()} differs from eager's {first[0].item()}")
                 return 1
         eager, ort_module, compiled = (t * 1e3 for t in medians(steps, repeats, target, warmup=3))
-        print(f"{f'{batch} x {seq} x {width}':>20} {eager:9.3f} {ort_module:13.3f} {ort_module / eager:6.2f} "
+        print(f"{name:>5} {size:>18} {eager:9.3f} {ort_module:13.3f} {ort_module / eager:6.2f} "
               f"{compiled:11.3f} {compiled / eager:6.2f}")
     assert ortbridge.context_pool_size() == 0
     return 0

@@ -25,6 +25,13 @@ bash scripts/fetch_ort_headers.sh
 $PYTHON -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 $PYTHON -m pip install -q scikit-build-core pybind11 ninja
 $PYTHON -m pip install -q --no-build-isolation -e ".[test]"
+# Test-only: timm (tests/python/test_real_models.py), with --no-deps. timm imports torchvision when
+# imported; the registry's torchvision for torch 2.13 (0.28.0) is a CUDA build whose C extension
+# does not load against CPU torch, after which its import fails ("operator torchvision::nms does
+# not exist"; 0.17.2 and 0.22.1 fail the same way). 0.16.2's import works without its C extension
+# (a warning), and timm needs only its Python part; --no-deps, as it asks for torch 2.1.2. Their
+# other requirements are in the test extra.
+$PYTHON -m pip install -q --no-deps "timm==1.0.31" "torchvision==0.16.2"
 
 # The main job: export, run in ORT, train a few steps with OrtModule; each compared with eager PyTorch.
 (cd examples && $PYTHON quickstart.py)

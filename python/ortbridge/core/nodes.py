@@ -196,10 +196,12 @@ def _cell_value(cell):
 
 
 def name_nodes(graph: onnx.GraphProto) -> None:
-    """Give each ortbridge node a readable, unique name: PythonOp_<Function>_<k>."""
+    """Give each ortbridge node a readable, unique name: PythonOp_<Function>_<k>, or for an
+    operator node PythonOp_<op>_<k> (aten::convolution_backward.default: convolution_backward)."""
     for k, node in enumerate(n for n in graph.node if n.domain == DOMAIN):
         func = next(a.s.decode() for a in node.attribute if a.name == "func_name")
-        node.name = f"{node.op_type}_{func.rsplit('.', 1)[-1]}_{k}"
+        short = func.split("::", 1)[1].split(".", 1)[0] if "::" in func else func.rsplit(".", 1)[-1]
+        node.name = f"{node.op_type}_{short}_{k}"
 
 
 @contextlib.contextmanager

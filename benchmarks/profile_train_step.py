@@ -1,0 +1,228 @@
+"""Where the time of a CNN training step goes under OrtModule, against eager PyTorch.
+
+The model, batch and step are train_step.py's CNN (mobilenet-like, HardSwishMe activation as a
+PythonOp / PythonOpGrad pair, BatchNorm in training mode, cross-entropy, AdamW), by default at
+that benchmark's larger size, 16 x 3 x 64 x 64. Three copies: eager, OrtModule, and OrtModule
+with ONNX Runtime's profiler on (SessionOptions.enable_profiling). Printed, per step:
+
+1. Phase wall times (forward + loss, backward, optimizer step + zero_grad), median over
+   --steps steps after --warmup, the three copies taking their steps in turn; the difference
+   between the two OrtModule rows is the cost of ORT's profiler.
+2. ONNX Runtime's profile of the forward and backward sessions over those same steps (means):
+   kernel time per op type, PythonOp / PythonOpGrad nodes split by func_name (read from the
+   node's attribute in the session's graph: fallback nodes are all named PythonOp_default_<k>),
+   with its share of the session's kernel time; the session run (model_run event) against the
+   sum of its kernels (the executor's own cost), and the phase's mean wall time against the
+   session run (outside the session: input/output binding, output allocation, AOTAutograd's
+   wrappers, the autograd engine, the loss).
+3. torch.profiler over --torch-steps steps of eager and of the ORT-profiled OrtModule: each
+   PythonOp / PythonOpGrad kind's ORT kernel time in those steps, what torch spends inside it
+   (the aten op of a fallback node, Function.apply's record for a Function's forward; children
+   included) and what eager torch spends in the same op or Function (its forward, and its
+   autograd node, <Function>Backward). Node time minus the torch time inside is the bridge.
+4. Both torch.profiler tables, top --top rows by self CPU time (totals over --torch-steps).
+
+ORT writes its profile files into a temporary directory, removed at the end. From benchmarks/:
+python3 profile_train_step.py [--batch 16 --side 64 --threads N].
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import onnxruntime as ort
+import torch
+
+import ortbridge
+from common import versions
+from train_step import cnn_case
+
+PHASES = ("forward", "backward", "optimizer", "step")
+
+
+def profiling_options(prefix: str) -> ort.SessionOptions:
+    """OrtModule's default options (torch's thread count, threads that sleep between runs), with
+    the profiler on."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()
+    options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.enable_profiling = True
+    options.profile_file_prefix = prefix
+    return options
+
+
+def phased_trainer(model, x, y, loss_fn):
+    """train_step.py's step, returning the wall time (s) of each phase and the loss."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step() -> dict:
+        t0 = time.perf_counter()
+        loss = loss_fn(model(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        t3 = time.perf_counter()
+        return {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2, "step": t3 - t0, "loss": loss.item()}
+
+    return step
+
+
+def run_steps(steps: dict, warmup: int, count: int) -> dict:
+    """Each named step's phase times (ms): {name: {phase: (median, mean)}}. The steps take turns,
+    so that drift on the machine touches them all alike."""
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    times: dict = {name: [] for name in steps}
+    for _ in range(count):
+        for name, step in steps.items():
+            times[name].append(step())
+    return {name: {k: (statistics.median(t[k] for t in ts) * 1e3, statistics.mean(t[k] for t in ts) * 1e3)
+                   for k in PHASES} for name, ts in times.items()}
+
+
+def node_labels(graph_session) -> dict:
+    """Node name -> label: the op type, with func_name for PythonOp / PythonOpGrad."""
+    labels = {}
+    for node in graph_session.model.graph.node:
+        func = next((a.s.decode() for a in node.attribute if a.name == "func_name"), None)
+        labels[node.name] = f"{node.op_type} {func}" if func else node.op_type
+    return labels
+
+
+def read_events(graph_session) -> list:
+    with open(graph_session.session.end_profiling()) as f:  # (read before the next session's: same name)
+        return json.load(f)
+
+
+def summarize(events: list, labels: dict, runs: slice) -> dict:
+    """Per-run means (ms) over the model_run events `runs` (in time order): kernel time by label,
+    calls per run by label, all kernels, the whole run."""
+    model_runs = sorted((e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"),
+                        key=lambda e: e["ts"])[runs]
+    spans = [(r["ts"], r["ts"] + r["dur"]) for r in model_runs]
+    n = len(spans)
+    by_label: dict = collections.defaultdict(float)
+    calls: dict = collections.defaultdict(int)
+    for e in events:
+        if (e.get("cat") == "Node" and e["name"].endswith("_kernel_time")
+                and any(start <= e["ts"] <= end for start, end in spans)):
+            node = e["name"][: -len("_kernel_time")]
+            label = labels.get(node, e.get("args", {}).get("op_name", node))
+            by_label[label] += e["dur"] / 1e3 / n
+            calls[label] += 1
+    return {"by_label": dict(by_label), "calls": {k: v // n for k, v in calls.items()},
+            "kernels": sum(by_label.values()), "run": sum(r["dur"] for r in model_runs) / 1e3 / n}
+
+
+def torch_profile(step, steps: int):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    return prof.key_averages()
+
+
+def total_ms(averages, key: str) -> float | None:
+    """An event's CPU time (ms, children included) summed over the profile."""
+    return next((a.cpu_time_total / 1e3 for a in averages if a.key == key), None)
+
+
+def fmt(ms: float | None, width: int) -> str:
+    return f"{'-':>{width}}" if ms is None else f"{ms:{width}.3f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--side", type=int, default=64)
+    parser.add_argument("--threads", type=int, help="torch's (and so ONNX Runtime's) thread count")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--torch-steps", type=int, default=10)
+    parser.add_argument("--top", type=int, default=15)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(versions())
+    print(f"torch threads {torch.get_num_threads()}; CNN {args.batch} x 3 x {args.side} x {args.side}; "
+          f"{args.steps} steps after {args.warmup} warm-up steps\n")
+    torch.manual_seed(0)
+    model, x, y, loss_fn, _ = cnn_case(args.batch, args.side)
+    folder = tempfile.mkdtemp(prefix="ortbridge_profile_")
+    try:
+        profiled_module = ortbridge.OrtModule(copy.deepcopy(model),
+                                              session_options=profiling_options(os.path.join(folder, "cnn")))
+        steps = {"eager": phased_trainer(copy.deepcopy(model), x, y, loss_fn),
+                 "OrtModule": phased_trainer(ortbridge.OrtModule(copy.deepcopy(model)), x, y, loss_fn),
+                 "OrtModule, ORT profiler": phased_trainer(profiled_module, x, y, loss_fn)}
+        first = {name: step()["loss"] for name, step in steps.items()}  # captures the graphs
+        if any(abs(loss - first["eager"]) > 1e-4 * abs(first["eager"]) for loss in first.values()):
+            print(f"losses differ at the first step: {first}")
+            return 1
+
+        phases = run_steps(steps, args.warmup, args.steps)
+        eager_avg = torch_profile(steps["eager"], args.torch_steps)
+        ort_avg = torch_profile(steps["OrtModule, ORT profiler"], args.torch_steps)
+        sessions = [c for cs in profiled_module._captures.values() for c in cs][0].sessions
+        profiles = {}  # kind -> (the phase steps' summary, the torch-profiled steps' summary)
+        for kind, s in zip(("forward", "backward"), sessions):
+            if s.session is not None:
+                events, labels, t = read_events(s), node_labels(s), args.torch_steps
+                profiles[kind] = (summarize(events, labels, slice(-t - args.steps, -t)),
+                                  summarize(events, labels, slice(-t, None)))
+
+        print("1. Phase wall times, median ms per step")
+        print(f"{'':>24} {'forward':>8} {'backward':>9} {'optimizer':>10} {'step':>8}")
+        for name, p in phases.items():
+            print(f"{name:>24} " + " ".join(f"{p[k][0]:{w}.2f}" for k, w in zip(PHASES, (8, 9, 10, 8))))
+
+        print("\n2. ONNX Runtime's profile, mean ms per step")
+        for kind, (prof, _) in profiles.items():
+            wall = phases["OrtModule, ORT profiler"][kind][1]
+            print(f"{kind}: session run {prof['run']:.2f}, its kernels {prof['kernels']:.2f}, executor outside "
+                  f"kernels {prof['run'] - prof['kernels']:.2f}; {kind} phase wall {wall:.2f}, outside the "
+                  f"session {wall - prof['run']:.2f}")
+            print(f"  {'op':<48} {'calls':>5} {'ms':>8} {'share':>6}")
+            for label, ms in sorted(prof["by_label"].items(), key=lambda kv: -kv[1])[: args.top]:
+                print(f"  {label:<48} {prof['calls'][label]:5d} {ms:8.3f} {ms / prof['kernels']:6.1%}")
+
+        t = args.torch_steps
+        print(f"\n3. PythonOp / PythonOpGrad nodes against eager torch, ms per step over {t} steps")
+        print(f"  {'node':<46} {'calls':>5} {'ORT node':>9} {'torch inside':>13} {'eager torch':>12}")
+        for kind, (_, prof) in profiles.items():
+            for label, ms in sorted(prof["by_label"].items(), key=lambda kv: -kv[1]):
+                op_type, _, func = label.partition(" ")
+                if not func:
+                    continue
+                if func.startswith("aten::"):  # a fallback node: the aten op in both
+                    inside = eager = func.rsplit(".", 1)[0]
+                else:  # a Function: Function.apply's record in both, its autograd node in eager's backward
+                    name = func.rsplit(".", 1)[-1]
+                    inside, eager = (name, name) if op_type == "PythonOp" else (None, f"{name}Backward")
+                inside_ms = total_ms(ort_avg, inside) if inside else None
+                eager_ms = total_ms(eager_avg, eager)
+                print(f"  {label:<46} {prof['calls'][label]:5d} {ms:9.3f} "
+                      f"{fmt(inside_ms and inside_ms / t, 13)} {fmt(eager_ms and eager_ms / t, 12)}")
+
+        for name, averages in (("eager", eager_avg), ("OrtModule (ORT profiler on)", ort_avg)):
+            print(f"\n4. torch.profiler, {name}, totals over {t} steps")
+            print(averages.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=45))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
