@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 
 import torch
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
@@ -27,7 +28,8 @@ aten = torch.ops.aten
 # wrongly (_embedding_bag: the max indices that mode="max" saves for backward), and those with a
 # decomposition that ONNX Runtime runs slower than PyTorch runs the operator, chosen per operator
 # by benchmarks/fallback_ops.py (both ways, in training steps, in one run).
-PYTORCH_PREFERRED: set = {aten._embedding_bag.default}
+PYTORCH_PREFERRED: set = {aten._embedding_bag.default,
+                          aten.native_layer_norm_backward.default, aten.native_group_norm_backward.default}
 
 
 @functools.cache
@@ -39,22 +41,34 @@ def _onnx_registry():
     return registry, translated, _decomp.create_onnx_friendly_decomposition_table(translated)
 
 
-def _needs_fallback(node: torch.fx.Node, translated: frozenset) -> bool:
+def _needs_fallback(node: torch.fx.Node, translated: frozenset, in_pytorch=frozenset()) -> bool:
     return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-            and (node.target not in translated or node.target in PYTORCH_PREFERRED))
+            and (node.target not in translated or node.target in PYTORCH_PREFERRED or node.name in in_pytorch))
+
+
+# ONNX Runtime's refusal of a graph that names the node torch's exporter wrote for FX node X
+# (`node_X`, or `node_X__k` for the k-th ONNX node of its translation).
+_REFUSED_NODE = re.compile(r"(?:node with name|in node \() ?'?node_([A-Za-z0-9_]+?)(?:__\d+)?[')]")
+
+
+def node_without_kernel(error: str) -> str | None:
+    """The FX node (of the decomposed graph) whose ONNX node ONNX Runtime refused, or None."""
+    match = _REFUSED_NODE.search(error)
+    return match.group(1) if match else None
 
 
 def exportable(program: torch.export.ExportedProgram, args: tuple, kwargs: dict | None = None,
-               dynamic_shapes=None) -> torch.export.ExportedProgram:
+               dynamic_shapes=None, in_pytorch=frozenset()) -> torch.export.ExportedProgram:
     """`program`, or where it calls operators torch's ONNX exporter cannot write, the program
-    with each such call a fallback node. `args`, `kwargs`, `dynamic_shapes`: as it was exported."""
+    with each such call a fallback node. `args`, `kwargs`, `dynamic_shapes`: as it was exported.
+    `in_pytorch`: names of nodes of the decomposed program to run as fallback nodes too."""
     from torch.onnx._internal.exporter import _fx_passes
 
     _, translated, table = _onnx_registry()
     # Decomposed as torch's exporter would decompose it (less the operators PyTorch runs faster).
     decomposed = program.run_decompositions({op: f for op, f in table.items() if op not in PYTORCH_PREFERRED})
     _fx_passes.remove_assertion_nodes(decomposed.graph_module)  # (torch's exporter drops them too)
-    fallbacks = [n for n in decomposed.graph.nodes if _needs_fallback(n, translated)]
+    fallbacks = [n for n in decomposed.graph.nodes if _needs_fallback(n, translated, in_pytorch)]
     if not fallbacks:
         return program
     for node in fallbacks:
@@ -66,7 +80,7 @@ def exportable(program: torch.export.ExportedProgram, args: tuple, kwargs: dict 
              ", ".join(sorted({operators.name_of(n.target) for n in fallbacks})))
     module = decomposed.module()
     for node in module.graph.nodes:
-        if _needs_fallback(node, translated):
+        if _needs_fallback(node, translated, in_pytorch):
             node.target = _emitter(node.target)
     module.recompile()
     return torch.export.export(module, args, kwargs=kwargs, dynamic_shapes=dynamic_shapes, strict=False)

@@ -10,11 +10,13 @@ that release their context when torch frees them.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import operator
 
 import onnx
 import onnxruntime as ort
+import onnxruntime.capi.onnxruntime_pybind11_state as ort_errors
 import sympy
 import torch
 from torch.utils._sympy.functions import FloorDiv
@@ -26,6 +28,7 @@ from ..core.nodes import DOMAIN, name_nodes, quiet_exporter
 from ..core.record import size_hint
 from . import ops
 
+log = logging.getLogger("ortbridge")
 _PYTHON_OP = torch.ops.ortbridge.python_op.default
 _PYTHON_OP_GRAD = torch.ops.ortbridge.python_op_grad.default
 
@@ -203,8 +206,9 @@ class OnnxGraph:
         graph.eliminate_dead_code()
         gm.recompile()
 
-    def to_onnx(self) -> onnx.ModelProto:
-        model = _export(self.module, self.input_values)
+    def to_onnx(self, in_pytorch: set = frozenset()) -> onnx.ModelProto:
+        """The graph as ONNX; nodes named in `in_pytorch` (of the decomposed graph) run in PyTorch."""
+        model = _export(self.module, self.input_values, in_pytorch)
         _spread_gradient_outputs(model.graph)
         name_nodes(model.graph)  # (errors name the node: PythonOp_<Function>_<k>)
         return model
@@ -223,12 +227,25 @@ class GraphSession:
         self.model = self.session = None
         if not graph.outputs:
             return
-        self.model = graph.to_onnx()
-        if save_as:
-            onnx.save(self.model, save_as)
-        self.session = runtime.InferenceSession(
-            self.model.SerializeToString(), session_options or default_session_options(),
-            providers=providers or ["CPUExecutionProvider"])
+        # A node ONNX Runtime has no kernel for (an operator on a type its kernels do not take: Relu
+        # of int64, ArgMax of bool) runs in PyTorch instead, and the graph is exported again.
+        in_pytorch: set[str] = set()
+        while True:
+            self.model = graph.to_onnx(in_pytorch)
+            try:
+                self.session = runtime.InferenceSession(
+                    self.model.SerializeToString(), session_options or default_session_options(),
+                    providers=providers or ["CPUExecutionProvider"])
+                break
+            except (ort_errors.NotImplemented, ort_errors.InvalidGraph) as e:
+                node = fallback.node_without_kernel(str(e))
+                if node is None or node in in_pytorch:
+                    raise
+                log.info("ONNX Runtime cannot run %s (%s): it runs in PyTorch", node, str(e).splitlines()[0])
+                in_pytorch.add(node)
+            finally:
+                if save_as:
+                    onnx.save(self.model, save_as)
         input_names = [i.name for i in self.session.get_inputs()]
         output_names = [o.name for o in self.session.get_outputs()]
         if len(input_names) != len(graph.tensor_inputs) or len(output_names) != len(graph.outputs):
@@ -280,7 +297,7 @@ def _placeholder_address(t: torch.Tensor) -> int:
     return _PLACEHOLDER.data_ptr()
 
 
-def _export(gm: torch.fx.GraphModule, inputs: list) -> onnx.ModelProto:
+def _export(gm: torch.fx.GraphModule, inputs: list, in_pytorch: set) -> onnx.ModelProto:
     """The graph as ONNX, its inputs' symbolic dims dynamic."""
     # (with the traced strides: the graph may view an input in ways only its own layout allows)
     example = tuple(torch.zeros_like(torch.empty_strided([size_hint(d) for d in t.shape],
@@ -292,6 +309,6 @@ def _export(gm: torch.fx.GraphModule, inputs: list) -> onnx.ModelProto:
     with quiet_exporter(), torch._subclasses.fake_tensor.unset_fake_temporarily():
         dynamic = dynamic if any(dynamic) else None
         program = torch.export.export(gm, example, dynamic_shapes=dynamic, strict=False)
-        program = fallback.exportable(program, example, dynamic_shapes=dynamic)
+        program = fallback.exportable(program, example, dynamic_shapes=dynamic, in_pytorch=in_pytorch)
         return torch.onnx.export(program, example, dynamo=True, verbose=False).model_proto
 
