@@ -383,3 +383,31 @@ def test_backend_options(tmp_path):
     assert sorted(n.rsplit("_", 1)[1] for n in os.listdir(tmp_path)) == ["backward.onnx", "forward.onnx"]
     with pytest.raises(Exception, match="unknown ortbridge backend options"):
         torch.compile(torch.nn.Linear(2, 2), backend="ortbridge", options={"colour": 1})(torch.randn(1, 2))
+
+
+def test_graph_rewrite_for_onnx_needs_no_onnx_runtime():
+    """OnnxGraph is the pure FX half of a GraphSession: what ONNX Runtime would compute, and where
+    every other output comes from."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    from ortbridge.training.graph import OnnxGraph
+
+    graphs = {}
+
+    def keep(kind):
+        def compile_graph(gm, example_inputs):
+            graphs[kind] = OnnxGraph(gm, training=kind == "forward")
+            return gm
+
+        return compile_graph
+
+    class AddBiasTuple(AddBias):
+        def forward(self, x):
+            return (super().forward(x),)
+
+    compiled = aot_module_simplified(AddBiasTuple(), [torch.randn(4, requires_grad=True)], fw_compiler=keep("forward"),
+                                     bw_compiler=keep("backward"))
+    compiled(torch.randn(4, requires_grad=True))[0].sum().backward()
+    assert [dtype for dtype, _ in graphs["forward"].outputs] == [torch.float32]  # x + bias
+    assert graphs["backward"].outputs == []  # the bias gradient is the incoming gradient itself
+    assert [source[0] for source in graphs["backward"].sources] == ["input", "input"]
