@@ -102,7 +102,7 @@ class ForwardNode:
         self.forward_output = f"{self.name}.forward output"
         self.args = args
         # Lists and dicts among the constants, which forward may change: each call gets its own.
-        self.mutable = [i for i, a in enumerate(args) if isinstance(a, (list, dict))]
+        self.mutable = [i for i, a in enumerate(args) if _holds_mutable(a)]
         self.tensor_positions = tensor_positions
         self.requires_grad = requires_grad if any(requires_grad) else None
         self.updated = set(updated)  # tensor inputs declared updated in place (tensor_reuse_map)
@@ -192,6 +192,11 @@ class ForwardNode:
                     f"{self.name}.forward modified input {i} in place without returning it; ONNX Runtime may "
                     "still read that buffer. Modify a copy instead (x = x.clone()).")
         return modified
+
+
+def _holds_mutable(value) -> bool:
+    """Whether a constant is or holds a list or dict (tuples of plain values are safe to share)."""
+    return isinstance(value, (list, dict)) or (isinstance(value, tuple) and any(map(_holds_mutable, value)))
 
 
 def _own_borrowed_attributes(ctx, borrowed: set) -> None:

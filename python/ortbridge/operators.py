@@ -17,7 +17,9 @@ import threading
 import torch
 
 _NAME = re.compile(r"([A-Za-z][A-Za-z0-9_]*)::([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)\Z")
-_DENIED = {"aten::from_file"}  # would read a file the model names
+# Never from a model file: reading a file it names, memory without bounds checks (_reshape_alias)
+# or without initial values (empty...), storage surgery.
+_DENIED = re.compile(r"(from_file|_reshape_alias|as_strided\w*|set_|_unsafe_\w*|\w*empty\w*|resize\w*)\Z")
 _lock = threading.Lock()
 _namespaces = {"aten", "prims"}  # (prims: torch's primitives, which its decompositions emit)
 _functions: dict[str, type] = {}
@@ -61,12 +63,15 @@ def _resolve(func_name: str) -> torch._ops.OpOverload:
     if not allowed(namespace):
         raise LookupError(f"func_name '{func_name}': operators of namespace '{namespace}' are not allowed here "
                           f"(allowed: {', '.join(sorted(_namespaces))}; ortbridge.allow_operators adds one)")
-    if f"{namespace}::{op}" in _DENIED:
+    if _DENIED.match(op):
         raise LookupError(f"func_name '{func_name}': this operator is not allowed in a graph")
     packet = getattr(getattr(torch.ops, namespace), op, None) if not op.startswith("__") else None
     if not isinstance(packet, torch._ops.OpOverloadPacket) or overload not in packet.overloads():
         raise LookupError(f"func_name '{func_name}' names no operator registered with torch in this process")
-    return getattr(packet, overload)
+    found = getattr(packet, overload)
+    if found._schema.is_mutable:  # (in-place and out= overloads would write into ONNX Runtime's buffers)
+        raise LookupError(f"func_name '{func_name}': an operator that writes into its arguments is not allowed")
+    return found
 
 
 def flatten_outputs(result) -> list:

@@ -116,7 +116,8 @@ def test_export_runs_an_operator_without_onnx_translation_in_pytorch():
 
 @pytest.mark.parametrize("name", ["os::system.default", "aten::from_file.default", "aten::__class__.default",
                                   "aten::name.default", "aten::add.__dict__", "aten::add", "aten::no_such_op.default",
-                                  "not_allowed::triple.default"])
+                                  "not_allowed::triple.default", "aten::_reshape_alias.default", "aten::add_.Tensor",
+                                  "aten::add.out", "aten::empty.memory_format", "aten::as_strided.default"])
 def test_operator_names_resolve_only_to_allowed_registered_operators(name):
     with pytest.raises(LookupError):
         registry.lookup(name)

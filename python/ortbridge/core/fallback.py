@@ -10,6 +10,7 @@ program is traced again with each such call emitting its node.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import re
 
@@ -18,7 +19,7 @@ from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
 from .. import _dtypes, operators
 from .functions import ExportError
-from .nodes import DOMAIN, Arguments
+from .nodes import Arguments, emit_python_op
 
 log = logging.getLogger("ortbridge")
 
@@ -72,6 +73,12 @@ def exportable(program: torch.export.ExportedProgram, args: tuple, kwargs: dict 
     if not fallbacks:
         return program
     for node in fallbacks:
+        try:  # (what a model file could not name, the exporter does not write either)
+            operators.function(operators.name_of(node.target))
+        except LookupError as e:
+            if operators.allowed(node.target.namespace):
+                raise ExportError(f"operator {operators.name_of(node.target)} has no ONNX translation and cannot run "
+                                  f"as a fallback node: {e}") from None
         if not operators.allowed(node.target.namespace):
             raise ExportError(f"operator {operators.name_of(node.target)} has no ONNX translation, and its namespace "
                               f"is not allowed to run as a fallback node; call ortbridge.allow_operators("
@@ -99,14 +106,13 @@ def _layout(args: tuple, kwargs: dict) -> tuple[tuple, tuple, list]:
     return tuple(layout), tuple(kwargs), values
 
 
-_calls = 0  # numbers every fallback call: no optimizer may merge two of them
+_call_numbers = itertools.count()  # numbers every fallback call: no optimizer may merge two of them
 
 
 def _emitter(op: torch._ops.OpOverload):
     name = operators.name_of(op)
 
     def emit(*args, **kwargs):
-        global _calls
         with disable_proxy_modes_tracing():  # the operator's outputs in this trace, not recorded
             result = op(*args, **kwargs)
         outputs = operators.flatten_outputs(result)
@@ -114,13 +120,10 @@ def _emitter(op: torch._ops.OpOverload):
         arguments = Arguments(name, (layout, keywords, *values), pin=False)
         if arguments.objects:
             raise ExportError(f"operator {name} has an argument ONNX cannot hold: {arguments.objects}")
-        _calls += 1
         attrs = dict(arguments.attrs, output_tensor_types=[_dtypes.onnx_type(t.dtype) for t in outputs],
                      output_tensor_ranks=[t.dim() for t in outputs], training_mode=0, safe_run_mode=0,
-                     call_index=_calls)
-        nodes = torch.onnx.ops.symbolic_multi_out(
-            f"{DOMAIN}::PythonOp", arguments.tensors, attrs, dtypes=[torch.int64, *(t.dtype for t in outputs)],
-            shapes=[[], *(list(t.shape) for t in outputs)], version=1)
+                     call_index=next(_call_numbers))
+        nodes = emit_python_op(arguments.tensors, attrs, [t.dtype for t in outputs], [list(t.shape) for t in outputs])
         return _refilled(result, iter(nodes[1:]))
 
     emit.__name__ = emit.__qualname__ = f"ortbridge_fallback_{name.replace('::', '_').replace('.', '_')}"

@@ -137,13 +137,16 @@ class Arguments:
         return dict(self.constants, input_tensor_types=[_dtypes.onnx_type(t.dtype) for t in self.tensors],
                     input_tensor_ranks=[t.dim() for t in self.tensors])
 
-    def key(self, shapes: list) -> tuple:
-        """Identifies the call by its constants (objects by what they are, not their identity: a
-        callable made anew on each call matches) and input types and shapes."""
+    def constants_key(self) -> tuple:
+        """The constants (objects by what they are, not their identity: a callable made anew on
+        each call matches)."""
         frozen = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in self.constants.items()
                        if k != "input_pointer_scalars")
-        return (frozen, tuple(self.object_kinds), tuple(t.dtype for t in self.tensors),
-                tuple(tuple(s) for s in shapes))
+        return frozen, tuple(self.object_kinds)
+
+    def key(self, shapes: list) -> tuple:
+        """Identifies the call by its constants and input types and shapes."""
+        return (*self.constants_key(), tuple(t.dtype for t in self.tensors), tuple(tuple(s) for s in shapes))
 
 
 def _held_tensor(obj, depth: int = 0) -> str | None:
@@ -160,7 +163,8 @@ def _held_tensor(obj, depth: int = 0) -> str | None:
     elif isinstance(obj, functools.partial):
         parts = [obj.func, *obj.args, *obj.keywords.values()]
     elif isinstance(obj, types.FunctionType):
-        parts = [_cell_value(c) for c in obj.__closure__ or ()] + list(obj.__defaults__ or ())
+        parts = [_cell_value(c) for c in obj.__closure__ or ()] + list(obj.__defaults__ or ()) + list(
+            (obj.__kwdefaults__ or {}).values())
     else:
         return None
     return next((h for h in (_held_tensor(p, depth + 1) for p in parts) if h), None)
@@ -180,7 +184,7 @@ def _kind(obj, depth: int = 0):
         return dict, tuple((k, _kind(v, depth + 1)) for k, v in obj.items())
     if isinstance(obj, types.FunctionType):
         return (types.FunctionType, obj.__code__, tuple(_kind(_cell_value(c), depth + 1) for c in obj.__closure__ or ()),
-                _kind(obj.__defaults__, depth + 1))
+                _kind(obj.__defaults__, depth + 1), _kind(obj.__kwdefaults__, depth + 1))
     if isinstance(obj, types.MethodType):
         return types.MethodType, obj.__func__, id(obj.__self__)
     if isinstance(obj, functools.partial):
@@ -193,6 +197,13 @@ def _cell_value(cell):
         return cell.cell_contents
     except ValueError:  # (a variable not yet assigned)
         return None
+
+
+def emit_python_op(inputs: list, attrs: dict, dtypes: list, shapes: list) -> list:
+    """In a torch.export trace: a PythonOp node with these attributes, whose outputs after the
+    context id have `dtypes` and `shapes`; returns its outputs, the context id first."""
+    return list(torch.onnx.ops.symbolic_multi_out(f"{DOMAIN}::PythonOp", list(inputs), attrs,
+                                                  dtypes=[torch.int64, *dtypes], shapes=[[], *shapes], version=1))
 
 
 def name_nodes(graph: onnx.GraphProto) -> None:

@@ -94,7 +94,7 @@ def size_hint(dim) -> int:
 
 class CallTable:
     """The recorded calls, looked up by each traced call: same Function, constants (objects by
-    type), input dtypes and example sizes."""
+    what they are: core.nodes._kind), input dtypes and example sizes."""
 
     def __init__(self, calls: list[Call]):
         self.calls = {}
@@ -139,10 +139,14 @@ class CallTable:
             return f"tensor input shapes are {list(shapes)} here, {list(eager_shapes)} in the eager run"
         return f"constants {dict(constants)} here, {dict(eager_constants)} in the eager run"
 
-    def unmatched(self) -> list[str]:
-        """Names of the recorded Functions that no traced call reached (apply was not intercepted,
-        or the trace took another path)."""
-        return sorted({call.name for key, call in self.calls.items() if key not in self._matched})
+    def require_all_reached(self, tracer: str) -> None:
+        """Refuses a trace that reached no call of some recorded Function (apply was not
+        intercepted, or the trace took another path): it would have been inlined silently."""
+        missed = sorted({call.name for key, call in self.calls.items() if key not in self._matched})
+        if missed:
+            raise ExportError(f"the eager run called {', '.join(missed)}, but {tracer} never reached its apply, so it "
+                              "cannot be a PythonOp. Call the Function through its apply (Fn.apply, a stored Fn.apply, "
+                              "functools.partial of it), the same way on every run with these inputs.")
 
 
 # Where torch.compile's autograd_function_apply makes the Function class it applies for a
@@ -179,13 +183,15 @@ class Recorder:
         arguments = [x for x in torch.utils._pytree.tree_leaves((args, kwargs))
                      if isinstance(x, torch.Tensor) and not x.requires_grad and not x.is_inference()]
         states = {id(t): (t, t.detach().clone()) for t in (*model.buffers(), *arguments)}
-        with torch.random.fork_rng(devices=[]), grad, intercepted(None, self._apply):
-            model(*args, **kwargs)
-        with torch.no_grad():
-            for tensor, saved in states.values():
-                # (compared by value: batch norm's kernel updates running statistics without a version count)
-                if not torch.equal(tensor, saved):
-                    tensor.copy_(saved)
+        try:
+            with torch.random.fork_rng(devices=[]), grad, intercepted(None, self._apply):
+                model(*args, **kwargs)
+        finally:  # (also when a call cannot be recorded)
+            with torch.no_grad():
+                for tensor, saved in states.values():
+                    # (compared by value: batch norm's kernel updates running statistics without a version count)
+                    if not torch.equal(tensor, saved):
+                        tensor.copy_(saved)
 
     def _apply(self, func, original, args, kwargs):
         name = self.selected_name(func) if self._depth == 0 else None

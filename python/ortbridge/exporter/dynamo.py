@@ -12,9 +12,8 @@ import torch
 
 from . import dims
 from ..core import fallback
-from ..core.functions import ExportError
 from ..core.interception import intercepted
-from ..core.nodes import DOMAIN
+from ..core.nodes import emit_python_op
 from ..core.record import Call, CallTable
 
 
@@ -27,9 +26,8 @@ class _Emitter:
         arguments, call = self.table.match(func, args, kwargs)
         traced = [list(t.shape) for t in arguments.tensors]
         self.emitted += 1
-        outputs = torch.onnx.ops.symbolic_multi_out(
-            f"{DOMAIN}::PythonOp", arguments.tensors, call.node_attrs(self.emitted - 1),
-            dtypes=[torch.int64, *call.output_dtypes], shapes=[[], *call.output_shapes_for(traced)], version=1)
+        outputs = emit_python_op(arguments.tensors, call.node_attrs(self.emitted - 1), call.output_dtypes,
+                                 call.output_shapes_for(traced))
         return call.returned(arguments.tensors, outputs[1:])  # output 0 is the context id
 
 
@@ -42,11 +40,7 @@ def export(model, args: tuple, kwargs: dict, dynamic_shapes, calls: list[Call], 
             torch.fx.experimental._config.patch(backed_size_oblivious=True):
         shapes = dims.for_torch_export(dynamic_shapes)
         program = torch.export.export(model, args, kwargs=kwargs, strict=False, dynamic_shapes=shapes)
-        missed = emitter.table.unmatched()
-        if missed:
-            raise ExportError(f"the eager run called {', '.join(missed)}, but torch.export's trace never reached its "
-                              "apply, so it cannot be a PythonOp; the model must call its Functions the same way on "
-                              "every run with these inputs.")
+        emitter.table.require_all_reached("torch.export's trace")
         program = fallback.exportable(program, args, kwargs, shapes)
     proto = torch.onnx.export(program, args, kwargs=kwargs, dynamo=True, opset_version=opset_version,
                               verbose=False).model_proto

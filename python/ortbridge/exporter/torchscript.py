@@ -48,8 +48,8 @@ class _Symbolics:
 
     def emit(self, g, func, args):
         call = self.calls[self.done] if self.done < len(self.calls) else None
-        arguments = Arguments(registry.registered_name(func), args, tensor_type=torch._C.Value)
-        if call is None or call.func is not func or arguments.constants != call.constants:
+        arguments = Arguments(registry.registered_name(func), args, tensor_type=torch._C.Value, pin=False)
+        if call is None or call.func is not func or arguments.constants_key() != call.key[:2]:
             raise ExportError(f"the TorchScript trace called {arguments.constants['func_name']} where the eager run "
                               "of the example inputs did not, or with other constants; the model must call its "
                               "Functions the same way on every run with these inputs.")

@@ -167,11 +167,7 @@ class Capture:
                                                       decompositions=_DECOMPOSITIONS)
             except _DATA_DEPENDENT as e:
                 raise _data_dependent_error(e) from e
-        missed = table.unmatched()
-        if missed:
-            raise CaptureError(f"the eager run called {', '.join(missed)}, but the trace of the module never reached "
-                               "its apply, so it cannot be a PythonOp. Call the Function through its apply (Fn.apply, "
-                               "a stored Fn.apply, functools.partial of it), the same way on every run.")
+        table.require_all_reached("AOTAutograd's trace of the module")
         if dynamic:
             code = shape_env.produce_guards_expression(fakes, ignore_static=False)
             self._guards = code and (compile(code, "<ortbridge guards>", "eval"), shape_env)

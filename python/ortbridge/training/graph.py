@@ -24,7 +24,7 @@ from torch.utils._sympy.printers import PythonPrinter
 
 from .. import _C, _dtypes, runtime
 from ..core import fallback
-from ..core.nodes import DOMAIN, name_nodes, quiet_exporter
+from ..core.nodes import DOMAIN, emit_python_op, name_nodes, quiet_exporter
 from ..core.record import size_hint
 from . import ops
 
@@ -35,9 +35,7 @@ _PYTHON_OP_GRAD = torch.ops.ortbridge.python_op_grad.default
 
 def _forward_node(inputs: list, index: int, training: bool, shapes: list) -> list:
     traced = ops.traced_call(index)
-    return list(torch.onnx.ops.symbolic_multi_out(
-        f"{DOMAIN}::PythonOp", list(inputs), traced.forward_attrs(training),
-        dtypes=[torch.int64, *traced.call.output_dtypes], shapes=[[], *shapes], version=1))
+    return emit_python_op(inputs, traced.forward_attrs(training), traced.call.output_dtypes, shapes)
 
 
 def _backward_node(context, grads: list, index: int, shapes: list) -> list:
@@ -300,9 +298,8 @@ def _placeholder_address(t: torch.Tensor) -> int:
 def _export(gm: torch.fx.GraphModule, inputs: list, in_pytorch: set) -> onnx.ModelProto:
     """The graph as ONNX, its inputs' symbolic dims dynamic."""
     # (with the traced strides: the graph may view an input in ways only its own layout allows)
-    example = tuple(torch.zeros_like(torch.empty_strided([size_hint(d) for d in t.shape],
-                                                         [size_hint(s) for s in t.stride()], dtype=t.dtype),
-                                     memory_format=torch.preserve_format) for t in inputs)
+    example = tuple(torch.empty_strided([size_hint(d) for d in t.shape], [size_hint(s) for s in t.stride()],
+                                        dtype=t.dtype).zero_() for t in inputs)
     dynamic = tuple({d: torch.export.Dim.AUTO for d, size in enumerate(t.shape) if not isinstance(size, int)}
                     for t in inputs)
     # (under dynamo, the fake mode of its trace is still current)
