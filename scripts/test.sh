@@ -11,15 +11,20 @@ cmake -S . -B "$build" -DORTBRIDGE_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=RelWithDebI
 cmake --build "$build" --parallel 2
 (cd "$build" && ctest --output-on-failure)
 
-$PYTHON -m pytest -q tests/python "$@"
+# The library's tests; then, in a process of their own, the real-model and per-layer suites (over a
+# hundred captures of third-party models: the memory test measures ortbridge's growth per step,
+# which the heap they leave behind blurs).
+models="tests/python/test_real_models.py tests/python/test_layers.py"
+without_models="--ignore=tests/python/test_real_models.py --ignore=tests/python/test_layers.py"
+$PYTHON -m pytest -q tests/python $without_models "$@"
+$PYTHON -m pytest -q $models "$@"
 
-# The Python tests again on the oldest ONNX Runtime releases the library supports (1.19.2 is the
-# last onnxruntime-training; 1.20.1's wheel is built with C++ library assertions on). The
-# real-model and per-layer suites (minutes of captures, no kernel code of their own) run once, above.
+# The library's tests again on the oldest ONNX Runtime releases the library supports (1.19.2 is the
+# last onnxruntime-training; 1.20.1's wheel is built with C++ library assertions on). The model
+# suites (no kernel code of their own) run once, above.
 for version in ${ORT_COMPAT_VERSIONS-1.19.2 1.20.1}; do
   target=build/onnxruntime-$version
   [ -d "$target/onnxruntime" ] || $PYTHON -m pip install -q --no-deps --target "$target" "onnxruntime==$version"
   echo "== onnxruntime $version"
-  PYTHONPATH="$target" $PYTHON -m pytest -q -p no:cacheprovider tests/python \
-    --ignore=tests/python/test_real_models.py --ignore=tests/python/test_layers.py "$@"
+  PYTHONPATH="$target" $PYTHON -m pytest -q -p no:cacheprovider tests/python $without_models "$@"
 done
