@@ -37,9 +37,8 @@ PYTORCH_PREFERRED: set = {aten._embedding_bag.default,
 def _onnx_registry():
     from torch.onnx._internal.exporter import _decomp, _registration
 
-    registry = _registration.ONNXRegistry.from_torchlib()
-    translated = frozenset(_decomp.get_onnx_implemented_overloads(registry))
-    return registry, translated, _decomp.create_onnx_friendly_decomposition_table(translated)
+    translated = frozenset(_decomp.get_onnx_implemented_overloads(_registration.ONNXRegistry.from_torchlib()))
+    return translated, _decomp.create_onnx_friendly_decomposition_table(translated)
 
 
 def _needs_fallback(node: torch.fx.Node, translated: frozenset, in_pytorch=frozenset()) -> bool:
@@ -65,7 +64,7 @@ def exportable(program: torch.export.ExportedProgram, args: tuple, kwargs: dict 
     `in_pytorch`: names of nodes of the decomposed program to run as fallback nodes too."""
     from torch.onnx._internal.exporter import _fx_passes
 
-    _, translated, table = _onnx_registry()
+    translated, table = _onnx_registry()
     # Decomposed as torch's exporter would decompose it (less the operators PyTorch runs faster).
     decomposed = program.run_decompositions({op: f for op, f in table.items() if op not in PYTORCH_PREFERRED})
     _fx_passes.remove_assertion_nodes(decomposed.graph_module)  # (torch's exporter drops them too)

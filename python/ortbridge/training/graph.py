@@ -145,7 +145,8 @@ class OnnxGraph:
     source: ("none",), ("input", k), ("constant", tensor), ("size", j) or ("onnx", j)."""
 
     def __init__(self, gm: torch.fx.GraphModule, training: bool):
-        self.module = gm = torch.fx.GraphModule(gm, gm.graph)  # a copy to rewrite; AOTAutograd keeps the original
+        # (rewrites AOTAutograd's graph in place: the new GraphModule shares it)
+        self.module = gm = torch.fx.GraphModule(gm, gm.graph)
         graph = gm.graph
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         for p in placeholders:
