@@ -17,10 +17,12 @@ bool Absent(const AttributeSource& a, const char* name, const char* type, bool r
   return true;
 }
 
+// A string that names something in Python (a function, argument kinds): non-empty UTF-8.
 std::string RequireString(const AttributeSource& a, const char* name) {
   std::string s;
   if (!a.GetString(name, &s)) Absent(a, name, "STRING", true);
   if (s.empty()) Fail(name, "must not be empty");
+  if (!IsValidUtf8(s)) Fail(name, "'" + Printable(s) + "' is not valid UTF-8 (or holds a NUL character)");
   return s;
 }
 
@@ -56,7 +58,9 @@ void CheckSize(const char* name, size_t got, size_t want, const std::string& of)
 
 void CheckConvention(const char* name, const std::string& conv) {
   for (char c : conv) {
-    if (c != 'c' && c != 'd') Fail(name, std::string("unknown argument kind '") + c + "' (only 'c' and 'd')");
+    if (c != 'c' && c != 'd') {
+      Fail(name, "unknown argument kind '" + Printable(std::string(1, c)) + "' (only 'c' and 'd')");
+    }
   }
 }
 
@@ -80,7 +84,9 @@ std::vector<int64_t> Ranks(const AttributeSource& a, const char* name, size_t co
   }
   CheckSize(name, r.size(), count, of);
   for (int64_t x : r) {
-    if (x < (required ? 0 : -1)) Fail(name, "rank " + std::to_string(x) + " is not valid");
+    if (x < (required ? 0 : -1) || x > kMaxRank) {
+      Fail(name, "rank " + std::to_string(x) + " is not valid (at most " + std::to_string(kMaxRank) + ")");
+    }
   }
   return r;
 }
@@ -189,6 +195,7 @@ void ReadTuples(const AttributeSource& a, const char* values_name, const char* p
 void ReadLiterals(const AttributeSource& a, const std::string& conv, std::vector<bool>& taken, ForwardLayout& f) {
   const char* name = "input_literals";
   bool has_text = a.GetString(name, &f.literals) || !Absent(a, name, "STRING", false);
+  if (has_text && !IsValidUtf8(f.literals)) Fail(name, "is not valid UTF-8 (or holds a NUL character)");
   auto positions = Ints(a, "input_literal_positions", false);
   if (has_text != !positions.empty()) {
     Fail(has_text ? "input_literal_positions" : name,
@@ -200,19 +207,8 @@ void ReadLiterals(const AttributeSource& a, const std::string& conv, std::vector
   }
 }
 
-}  // namespace
-
-ForwardLayout ParseForward(const AttributeSource& a, size_t input_count, size_t output_count) {
-  ForwardLayout f;
-  f.func_name = RequireString(a, "func_name");
-  f.input_convention = RequireString(a, "input_convention");
-  CheckConvention("input_convention", f.input_convention);
-  f.training_mode = Flag(a, "training_mode", 0);
-  f.safe_run_mode = Flag(a, "safe_run_mode", 1);
-  if (f.training_mode && !f.safe_run_mode) {
-    Fail("safe_run_mode", "0 (forward without autograd) is supported only with training_mode=0");
-  }
-
+// Input side: argument kinds, tensor input types and ranks, which tensors require a gradient.
+void ReadForwardInputs(const AttributeSource& a, size_t input_count, ForwardLayout& f) {
   const std::string& conv = f.input_convention;
   size_t tensors = std::count(conv.begin(), conv.end(), 'd');
   CheckSize("input_convention", tensors, input_count, "its 'd' entries must match the node's tensor inputs");
@@ -239,7 +235,11 @@ ForwardLayout ParseForward(const AttributeSource& a, size_t input_count, size_t 
       f.requires_grad.push_back(rg[i] == 1);
     }
   }
+}
 
+// Every 'c' argument gets exactly one value from the typed constant attributes or the literals.
+void ReadConstants(const AttributeSource& a, ForwardLayout& f) {
+  const std::string& conv = f.input_convention;
   std::vector<bool> taken(conv.size(), false);
   ReadIntScalars(a, {"input_bool_scalars", "input_bool_scalar_positions", Constant::Kind::kBool}, conv, taken,
                  f.constants);
@@ -263,6 +263,42 @@ ForwardLayout ParseForward(const AttributeSource& a, size_t input_count, size_t 
   }
   std::sort(f.constants.begin(), f.constants.end(),
             [](const Constant& x, const Constant& y) { return x.position < y.position; });
+}
+
+// tensor_reuse_map entries j -> i whose types agree: output j is input i updated in place.
+void ReadReuseMap(const AttributeSource& a, size_t input_count, size_t output_count, ForwardLayout& f) {
+  std::vector<int64_t> reuse;
+  if (!OptionalInts(a, "tensor_reuse_map", &reuse)) return;
+  CheckSize("tensor_reuse_map", reuse.size(), output_count, "one per node output, context id included");
+  if (reuse[0] != -1) Fail("tensor_reuse_map", "entry 0 (the context id) must be -1");
+  std::vector<bool> taken(input_count, false);
+  for (size_t j = 0; j < reuse.size(); ++j) {
+    int64_t i = reuse[j];
+    if (i < -1 || i >= static_cast<int64_t>(input_count)) {
+      Fail("tensor_reuse_map", "entry is not -1 or a tensor input index");
+    }
+    // ORTModule also maps outputs that view an input under another type: those are not in place.
+    if (i >= 0 && !taken[i] && f.output_tensor_types[j - 1] == f.input_tensor_types[i]) {
+      taken[i] = true;
+      f.in_place.emplace_back(j, static_cast<size_t>(i));
+    }
+  }
+}
+
+}  // namespace
+
+ForwardLayout ParseForward(const AttributeSource& a, size_t input_count, size_t output_count) {
+  ForwardLayout f;
+  f.func_name = RequireString(a, "func_name");
+  f.input_convention = RequireString(a, "input_convention");
+  CheckConvention("input_convention", f.input_convention);
+  f.training_mode = Flag(a, "training_mode", 0);
+  f.safe_run_mode = Flag(a, "safe_run_mode", 1);
+  if (f.training_mode && !f.safe_run_mode) {
+    Fail("safe_run_mode", "0 (forward without autograd) is supported only with training_mode=0");
+  }
+  ReadForwardInputs(a, input_count, f);
+  ReadConstants(a, f);
 
   if (output_count < 1) Fail("output_tensor_types", "the node needs output 0, the context id");
   f.output_tensor_types = Ints(a, "output_tensor_types", true);
@@ -271,24 +307,7 @@ ForwardLayout ParseForward(const AttributeSource& a, size_t input_count, size_t 
   CheckTypes("output_tensor_types", f.output_tensor_types);
   f.output_tensor_ranks =
       Ranks(a, "output_tensor_ranks", output_count - 1, "one per node output after the context id", true);
-
-  std::vector<int64_t> reuse;
-  if (OptionalInts(a, "tensor_reuse_map", &reuse)) {
-    CheckSize("tensor_reuse_map", reuse.size(), output_count, "one per node output, context id included");
-    if (reuse[0] != -1) Fail("tensor_reuse_map", "entry 0 (the context id) must be -1");
-    std::vector<bool> taken(input_count, false);
-    for (size_t j = 0; j < reuse.size(); ++j) {
-      int64_t i = reuse[j];
-      if (i < -1 || i >= static_cast<int64_t>(input_count)) {
-        Fail("tensor_reuse_map", "entry is not -1 or a tensor input index");
-      }
-      // ORTModule also maps outputs that view an input under another type: those are not in place.
-      if (i >= 0 && !taken[i] && f.output_tensor_types[j - 1] == f.input_tensor_types[i]) {
-        taken[i] = true;
-        f.in_place.emplace_back(j, static_cast<size_t>(i));
-      }
-    }
-  }
+  ReadReuseMap(a, input_count, output_count, f);
   return f;
 }
 
@@ -344,13 +363,53 @@ BackwardLayout ParseBackward(const AttributeSource& a, size_t input_count, size_
   return b;
 }
 
-bool IsSupportedElementType(int64_t t) { return (t >= 1 && t <= 16 && t != 8); }
+namespace {
 
-const char* ElementTypeName(int64_t t) {
-  static const char* names[] = {"undefined", "float32", "uint8",  "int8",    "uint16",    "int16",
-                                "int32",     "int64",   "string", "bool",    "float16",   "float64",
-                                "uint32",    "uint64",  "complex64", "complex128", "bfloat16"};
-  return (t >= 0 && t <= 16) ? names[t] : "unsupported";
+// The length of the valid UTF-8 sequence at text[i], or 0 where the byte starts none.
+size_t Utf8SequenceLength(const std::string& text, size_t i) {
+  const auto byte = [&](size_t k) { return static_cast<unsigned char>(text[k]); };
+  const unsigned char c = byte(i);
+  const size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xe ? 3 : (c >> 3) == 0x1e ? 4 : 0;
+  if (n == 0 || i + n > text.size()) return 0;
+  for (size_t k = 1; k < n; ++k) {
+    if ((byte(i + k) & 0xc0) != 0x80) return 0;
+  }
+  const bool overlong_or_out_of_range = (n == 2 && c < 0xc2) || (n == 3 && c == 0xe0 && byte(i + 1) < 0xa0) ||
+                                        (n == 3 && c == 0xed && byte(i + 1) >= 0xa0) ||  // surrogates
+                                        (n == 4 && (c > 0xf4 || (c == 0xf0 && byte(i + 1) < 0x90) ||
+                                                    (c == 0xf4 && byte(i + 1) >= 0x90)));
+  return overlong_or_out_of_range ? 0 : n;
+}
+
+}  // namespace
+
+std::string Printable(const std::string& text) {
+  static const char* hex = "0123456789abcdef";
+  std::string out;
+  out.reserve(text.size());
+  for (size_t i = 0; i < text.size();) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    size_t n = Utf8SequenceLength(text, i);
+    if (n == 1 && (c < 0x20 || c == 0x7f)) n = 0;  // control characters and NUL
+    if (n) {
+      out.append(text, i, n);
+      i += n;
+    } else {
+      out += "\\x";
+      out += hex[c >> 4];
+      out += hex[c & 0xf];
+      ++i;
+    }
+  }
+  return out;
+}
+
+bool IsValidUtf8(const std::string& text) {
+  for (size_t i = 0, n; i < text.size(); i += n) {
+    n = text[i] == '\0' ? 0 : Utf8SequenceLength(text, i);
+    if (n == 0) return false;
+  }
+  return true;
 }
 
 }  // namespace ortbridge

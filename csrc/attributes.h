@@ -9,7 +9,22 @@
 #include <utility>
 #include <vector>
 
+#include "element_types.h"
+
 namespace ortbridge {
+
+// Tensor ranks a node may declare. Shape inference creates one named dimension per rank, so a
+// bound keeps a hostile rank from costing gigabytes before anything else is checked (torch
+// supports at most 64 dimensions, too).
+constexpr int64_t kMaxRank = 64;
+
+// `text` as it may appear in an error message: valid UTF-8 and printable ASCII as they are, any
+// other byte (invalid UTF-8, control characters, NUL) as \xNN. Attribute values and names come
+// from model files; ORT's error text must stay a valid, complete string.
+std::string Printable(const std::string& text);
+
+// Whether `text` is valid UTF-8 without NUL characters (what a name must be to reach Python).
+bool IsValidUtf8(const std::string& text);
 
 // Where attributes come from: the ORT kernel info in production, a map in tests.
 // Each getter returns false when the attribute is absent or has another type; Has tells the two
@@ -74,9 +89,5 @@ struct BackwardLayout {
 // input_count/output_count are the node's own counts (context id included).
 ForwardLayout ParseForward(const AttributeSource& attrs, size_t input_count, size_t output_count);
 BackwardLayout ParseBackward(const AttributeSource& attrs, size_t input_count, size_t output_count);
-
-// ONNX element types that cross to torch (all numeric types and bool; not strings or float8).
-bool IsSupportedElementType(int64_t onnx_type);
-const char* ElementTypeName(int64_t onnx_type);
 
 }  // namespace ortbridge

@@ -4,11 +4,16 @@
 
 #include <Python.h>
 
+#include <cstdint>
+
 namespace ortbridge {
 
 // A new "dltensor" capsule over a 0-d int64 tensor holding 0 (no context). The forward session
 // writes the context id into it; the DLPack deleter (run when the tensor is freed, on any
 // thread) releases that context if it is still live.
 PyObject* NewContextIdCapsule();
+
+// Whether a live context-id tensor holds `id` (then torch, not a run scope, decides its lifetime).
+bool HeldByContextIdTensor(int64_t id);
 
 }  // namespace ortbridge

@@ -3,6 +3,8 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "element_types.h"
+
 namespace ortbridge {
 namespace {
 
@@ -26,32 +28,16 @@ void CapsuleDestructor(PyObject* capsule) {
 
 }  // namespace
 
-bool ToDLDataType(int64_t t, dl::DataType* out) {
-  switch (t) {
-    case 1: *out = {dl::kFloat, 32, 1}; return true;
-    case 2: *out = {dl::kUInt, 8, 1}; return true;
-    case 3: *out = {dl::kInt, 8, 1}; return true;
-    case 4: *out = {dl::kUInt, 16, 1}; return true;
-    case 5: *out = {dl::kInt, 16, 1}; return true;
-    case 6: *out = {dl::kInt, 32, 1}; return true;
-    case 7: *out = {dl::kInt, 64, 1}; return true;
-    case 9: *out = {dl::kBool, 8, 1}; return true;
-    case 10: *out = {dl::kFloat, 16, 1}; return true;
-    case 11: *out = {dl::kFloat, 64, 1}; return true;
-    case 12: *out = {dl::kUInt, 32, 1}; return true;
-    case 13: *out = {dl::kUInt, 64, 1}; return true;
-    case 14: *out = {dl::kComplex, 64, 1}; return true;
-    case 15: *out = {dl::kComplex, 128, 1}; return true;
-    case 16: *out = {dl::kBfloat, 16, 1}; return true;
-    default: return false;
-  }
+bool ToDLDataType(int64_t onnx_type, dl::DataType* out) {
+  const ElementType* t = FindElementType(onnx_type);
+  if (t) *out = {t->dlpack_code, t->bits, 1};
+  return t != nullptr;
 }
 
 int64_t FromDLDataType(dl::DataType d) {
   if (d.lanes != 1) return 0;
-  for (int64_t t = 1; t <= 16; ++t) {
-    dl::DataType x;
-    if (ToDLDataType(t, &x) && x.code == d.code && x.bits == d.bits) return t;
+  for (const ElementType& t : kElementTypes) {
+    if (t.dlpack_code == d.code && t.bits == d.bits) return t.onnx;
   }
   return 0;
 }
@@ -104,30 +90,53 @@ int64_t ImportedTensor::element_count() const {
   return n;
 }
 
-void ImportedTensor::CopyTo(void* dst) const {
+bool ImportedTensor::compact() const {
   const dl::Tensor& t = tensor();
+  if (!t.strides) return true;
+  int64_t expected = 1;
+  for (int32_t i = t.ndim; i-- > 0;) {
+    if (t.shape[i] != 1 && t.strides[i] != expected) return false;
+    expected *= t.shape[i];
+  }
+  return true;
+}
+
+void ImportedTensor::CopyTo(void* dst) const {
   const size_t item = element_size();
   const int64_t n = element_count();
   if (n == 0) return;
-  // Compact row-major (or no strides given): one memcpy.
-  bool compact = true;
-  if (t.strides) {
-    int64_t expected = 1;
-    for (int32_t i = t.ndim; i-- > 0;) {
-      if (t.shape[i] != 1 && t.strides[i] != expected) compact = false;
-      expected *= t.shape[i];
-    }
-  }
-  if (compact) {
-    std::memcpy(dst, data(), n * item);
+  if (compact()) {
+    std::memmove(dst, data(), n * item);  // memmove: dst may overlap
     return;
   }
-  // Strided: walk the index odometer, copying the innermost dimension per step.
+  // The bytes the strided elements span; a copy into memory they overlap goes through a buffer.
+  const dl::Tensor& t = tensor();
+  int64_t low = 0, high = 0;
+  for (int32_t d = 0; d < t.ndim; ++d) {
+    const int64_t reach = (t.shape[d] - 1) * t.strides[d];
+    (reach < 0 ? low : high) += reach;
+  }
+  const char* first = data() + low * static_cast<int64_t>(item);
+  const char* end = data() + (high + 1) * static_cast<int64_t>(item);
+  char* out = static_cast<char*>(dst);
+  if (out < end && first < out + n * item) {
+    std::vector<char> staging(n * item);
+    CopyStrided(staging.data());
+    std::memcpy(out, staging.data(), staging.size());
+  } else {
+    CopyStrided(out);
+  }
+}
+
+void ImportedTensor::CopyStrided(char* out) const {
+  // Walk the index odometer, copying the innermost dimension per step.
+  const dl::Tensor& t = tensor();
+  const size_t item = element_size();
+  const int64_t n = element_count();
   const int32_t nd = t.ndim;
   const int64_t inner = t.shape[nd - 1];
   const int64_t inner_stride = t.strides[nd - 1] * static_cast<int64_t>(item);
   std::vector<int64_t> index(nd, 0);
-  char* out = static_cast<char*>(dst);
   const char* base = data();
   for (int64_t done = 0; done < n; done += inner) {
     int64_t offset = 0;

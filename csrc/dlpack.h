@@ -13,13 +13,12 @@ namespace ortbridge {
 
 namespace dl {
 enum DeviceType : int32_t { kCPU = 1, kCUDA = 2, kCUDAHost = 3 };
-enum TypeCode : uint8_t { kInt = 0, kUInt = 1, kFloat = 2, kBfloat = 4, kComplex = 5, kBool = 6 };
 struct Device {
   int32_t device_type;
   int32_t device_id;
 };
 struct DataType {
-  uint8_t code;
+  uint8_t code;  // the codes of each element type: element_types.h
   uint8_t bits;
   uint16_t lanes;
 };
@@ -64,10 +63,14 @@ class ImportedTensor {
   std::vector<int64_t> shape() const { return {tensor().shape, tensor().shape + tensor().ndim}; }
   int64_t element_count() const;
   size_t element_size() const { return tensor().dtype.bits / 8; }
+  // Whether the elements lie in row-major order without gaps (no strides, or compact ones).
+  bool compact() const;
   // Copies the elements, in row-major order, to dst (which holds element_count() elements).
+  // dst may overlap the tensor's own memory (a view of the buffer ORT gave the output).
   void CopyTo(void* dst) const;
 
  private:
+  void CopyStrided(char* dst) const;
   dl::ManagedTensor* managed_;
 };
 

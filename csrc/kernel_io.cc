@@ -75,11 +75,11 @@ TensorView WriteOutput(const OrtApi& api, OrtKernelContext* context, size_t inde
     throw std::runtime_error(what() + " has shape " + ShapeText(out.shape) + ", but the forward input had shape " +
                              ShapeText(*expected_shape));
   }
-  out.data = AllocateOutput(api, context, index, out.shape);
-  if (out.data != t.data()) {
-    t.CopyTo(out.data);
-  } else {
+  out.data = AllocateOutput(api, context, index, out.shape, type);
+  if (out.data == t.data() && t.compact()) {
     g_skipped_copies.fetch_add(1, std::memory_order_relaxed);  // the Function wrote into ORT's buffer
+  } else {
+    t.CopyTo(out.data);  // also a view of that buffer (a transpose, a slice): it may overlap
   }
   return out;
 }
@@ -87,9 +87,7 @@ TensorView WriteOutput(const OrtApi& api, OrtKernelContext* context, size_t inde
 namespace {
 
 size_t ByteSize(const TensorMeta& meta) {
-  dl::DataType dtype;
-  ToDLDataType(meta.elem_type, &dtype);
-  size_t bytes = dtype.bits / 8;
+  size_t bytes = ElementSize(meta.elem_type);
   for (int64_t d : meta.shape) bytes *= static_cast<size_t>(d);
   return bytes;
 }
@@ -97,7 +95,7 @@ size_t ByteSize(const TensorMeta& meta) {
 }  // namespace
 
 void RedirectToOutput(const OrtApi& api, OrtKernelContext* context, size_t index, TensorView* input) {
-  void* buffer = AllocateOutput(api, context, index, input->shape);
+  void* buffer = AllocateOutput(api, context, index, input->shape, input->elem_type);
   if (buffer != input->data) {
     std::memcpy(buffer, input->data, ByteSize(*input));
     input->data = buffer;
@@ -105,7 +103,7 @@ void RedirectToOutput(const OrtApi& api, OrtKernelContext* context, size_t index
 }
 
 void WriteZeros(const OrtApi& api, OrtKernelContext* context, size_t index, const TensorMeta& meta) {
-  std::memset(AllocateOutput(api, context, index, meta.shape), 0, ByteSize(meta));
+  std::memset(AllocateOutput(api, context, index, meta.shape, meta.elem_type), 0, ByteSize(meta));
 }
 
 uint64_t SkippedOutputCopies() { return g_skipped_copies.load(); }

@@ -2,6 +2,7 @@
 // OrtStatus at its edge, and attribute access for kernel creation and shape inference.
 #pragma once
 
+#include <cxxabi.h>
 #include <onnxruntime_c_api.h>
 
 #include <stdexcept>
@@ -28,11 +29,15 @@ class OrtError : public std::runtime_error {
 void ThrowOnError(const OrtApi& api, OrtStatus* status);
 
 // Runs `body`, turning any exception into an ORT error status whose text starts with `prefix`.
+// The forced unwind that ends a thread (pthread_exit; CPython uses it for a daemon thread that
+// wants the GIL during interpreter exit) is not an error: it must travel on, or the process aborts.
 template <class F>
-OrtStatus* Guarded(const OrtApi& api, const std::string& prefix, F&& body) noexcept {
+OrtStatus* Guarded(const OrtApi& api, const std::string& prefix, F&& body) {
   try {
     body();
     return nullptr;
+  } catch (abi::__forced_unwind&) {
+    throw;
   } catch (const std::exception& e) {
     return api.CreateStatus(ORT_RUNTIME_EXCEPTION, (prefix + e.what()).c_str());
   } catch (...) {
@@ -51,7 +56,6 @@ class KernelInfoAttributes : public AttributeSource {
   bool GetFloats(const char* name, std::vector<float>* out) const override;
 
  private:
-  bool Ok(OrtStatus* status) const;
   const OrtApi& api_;
   const OrtKernelInfo* info_;
 };
@@ -72,6 +76,15 @@ void SetOutputTypeAndRank(const OrtApi& api, OrtShapeInferContext* ctx, size_t i
 
 std::string NodeName(const OrtApi& api, const OrtKernelInfo* info);
 
+// What the graph declares for one input or output of the node: its value name ("" where the
+// node leaves the slot empty) and element type (0 where the graph gives it none).
+struct DeclaredValue {
+  std::string name;
+  int64_t elem_type = 0;
+};
+std::vector<DeclaredValue> DeclaredInputs(const OrtApi& api, const OrtKernelInfo* info);
+std::vector<DeclaredValue> DeclaredOutputs(const OrtApi& api, const OrtKernelInfo* info);
+
 // A tensor's element type (0: no tensor) and shape.
 struct TensorMeta {
   int64_t elem_type = 0;
@@ -84,7 +97,9 @@ struct TensorView : TensorMeta {
 };
 // Returns false when the (optional) input is absent.
 bool GetInputTensor(const OrtApi& api, OrtKernelContext* ctx, size_t index, TensorView* out);
-// Allocates output `index` with `shape` and returns its buffer.
-void* AllocateOutput(const OrtApi& api, OrtKernelContext* ctx, size_t index, const std::vector<int64_t>& shape);
+// Allocates output `index` with `shape` and returns its buffer, after checking that ORT gave it
+// `elem_type` and room for every element (what the caller then writes).
+void* AllocateOutput(const OrtApi& api, OrtKernelContext* ctx, size_t index, const std::vector<int64_t>& shape,
+                     int64_t elem_type);
 
 }  // namespace ortbridge

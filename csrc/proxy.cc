@@ -6,6 +6,8 @@
 
 #include <pybind11/gil_safe_call_once.h>
 
+#include "context_id.h"
+
 namespace ortbridge {
 namespace {
 std::atomic<bool> g_shutdown{false};
@@ -25,13 +27,19 @@ int64_t AddContext(SavedContext saved) {
 
 void BeginRunScope() { t_run_scopes.emplace_back(); }
 
-void EndRunScope(bool failed) {
-  if (t_run_scopes.empty()) return;
+std::vector<int64_t> EndRunScope(bool failed) {
+  if (t_run_scopes.empty()) return {};
   std::vector<int64_t> ids = std::move(t_run_scopes.back());
   t_run_scopes.pop_back();
-  if (failed) {
-    for (int64_t id : ids) Contexts().Take(id);  // dropped here, GIL held
+  std::vector<int64_t> unheld;
+  for (int64_t id : ids) {
+    if (failed) {
+      Contexts().Take(id);  // dropped here, GIL held
+    } else if (Contexts().Contains(id) && !HeldByContextIdTensor(id)) {
+      unheld.push_back(id);
+    }
   }
+  return unheld;
 }
 
 void RequirePython() {

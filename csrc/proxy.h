@@ -14,9 +14,11 @@ namespace ortbridge {
 namespace py = pybind11;
 
 // What a training-mode forward keeps for its backward: the autograd context (None when no output
-// needed a gradient) and the types and shapes of that call's tensor inputs and outputs.
+// needed a gradient), the Function that made it (only its backward may take it), and the types
+// and shapes of that call's tensor inputs and outputs.
 struct SavedContext {
   py::object ctx;
+  const PyObject* function = nullptr;
   std::vector<TensorMeta> inputs;
   std::vector<TensorMeta> outputs;
 };
@@ -28,11 +30,13 @@ PythonContextPool& Contexts();
 int64_t AddContext(SavedContext saved);
 
 // A run scope covers one session run on this thread (ortbridge.InferenceSession opens one), so
-// that a run which fails releases the contexts it created: their backward will never run, and
-// their ids never reached the caller. Scopes nest, as a Function may run a session itself.
-// Contexts created on other threads (ORT's parallel executor) are not covered.
+// that no context outlives every reference to its id: a run which fails releases the contexts it
+// created (their ids never reached the caller); a run which succeeds returns the ids of those
+// still live and not held by a context-id tensor, which the caller keeps only if the run's outputs
+// hold them. Scopes nest, as a Function may run a session itself. Contexts created on other
+// threads (ORT's parallel executor) are not covered.
 void BeginRunScope();
-void EndRunScope(bool failed);
+std::vector<int64_t> EndRunScope(bool failed);
 
 // Throws std::runtime_error when no interpreter can run kernels (none, or it is exiting).
 // Callable without the GIL.

@@ -14,8 +14,8 @@ class PythonKernel {
  public:
   PythonKernel(const OrtApi& api, const char* op, const std::string& node, Layout layout)
       : api_(api), layout_(std::move(layout)),
-        error_prefix_(std::string("ortbridge ") + op + " node '" + node + "' (function '" + layout_.func_name +
-                      "'): ") {}
+        error_prefix_(std::string("ortbridge ") + op + " node '" + Printable(node) + "' (function '" +
+                      Printable(layout_.func_name) + "'): ") {}
   ~PythonKernel() { ReleasePython(run_); }
 
   // Kernel creation at session creation: parse and validate the attributes, then bind the
@@ -25,16 +25,21 @@ class PythonKernel {
     std::string prefix = std::string("ortbridge ") + Kernel::kName + ": ";
     return Guarded(api, prefix, [&] {
       std::string node = NodeName(api, info);
-      prefix = std::string("ortbridge ") + Kernel::kName + " node '" + node + "': ";
-      size_t inputs = 0, outputs = 0;
-      ThrowOnError(api, api.KernelInfo_GetInputCount(info, &inputs));
-      ThrowOnError(api, api.KernelInfo_GetOutputCount(info, &outputs));
-      auto kernel = std::make_unique<Kernel>(api, node, Kernel::Parse(KernelInfoAttributes(api, info), inputs, outputs));
+      prefix = std::string("ortbridge ") + Kernel::kName + " node '" + Printable(node) + "': ";
+      const std::vector<DeclaredValue> inputs = DeclaredInputs(api, info);
+      const std::vector<DeclaredValue> outputs = DeclaredOutputs(api, info);
+      auto kernel = std::make_unique<Kernel>(
+          api, node, Kernel::Parse(KernelInfoAttributes(api, info), inputs.size(), outputs.size()));
       prefix = kernel->error_prefix_;
+      // ORT allocates outputs by the graph's types (which are the attributes' only when shape
+      // inference succeeded: ORT ignores its status), so the two must agree before any write.
+      kernel->CheckValues(inputs, outputs);
       RequirePython();
       py::gil_scoped_acquire gil;
       try {
-        kernel->run_ = kernel->MakeRunner().attr("run");
+        py::object runner = kernel->MakeRunner();
+        kernel->function_ = runner.attr("func").ptr();  // kept alive by the runner
+        kernel->run_ = runner.attr("run");
       } catch (py::error_already_set& e) {
         throw std::runtime_error(FormatPythonError(e));
       }
@@ -46,8 +51,16 @@ class PythonKernel {
   const OrtApi& api_;
   const Layout layout_;
   const std::string error_prefix_;
-  py::object run_;  // the runner node's bound `run` method
+  py::object run_;                      // the runner node's bound `run` method
+  const PyObject* function_ = nullptr;  // the Function class: contexts belong to it
 };
+
+// Refuses a node input or output that the kernel reads or writes when the graph leaves it
+// unnamed or declares another element type than `type`, which `declared_by` declares
+// ("attribute 'output_tensor_types'").
+constexpr const char* kContextIdFormat = "the node format (a context id)";
+void CheckDeclared(const char* kind, size_t index, const DeclaredValue& value, int64_t type,
+                   const char* declared_by);
 
 // Sets outputs [first, ...) from the node's output_tensor_types and output_tensor_ranks, except
 // that output j takes the shape of input reuse[j] when that entry is >= 0 and the input has the

@@ -83,10 +83,12 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
         if (result.size() == n + 2) CheckInPlaceWrites(inputs, outputs, result[n + 1]);
         int64_t id = PythonContextPool::kNoContext;
         if (layout_.training_mode) {
-          id = AddContext({py::reinterpret_borrow<py::object>(result[0]), {inputs.begin(), inputs.end()},
-                               {outputs.begin(), outputs.end()}});
+          id = AddContext({py::reinterpret_borrow<py::object>(result[0]), function_, {inputs.begin(), inputs.end()},
+                           {outputs.begin(), outputs.end()}});
         }
-        *static_cast<int64_t*>(AllocateOutput(api_, context, 0, {})) = id;
+        if (context_id_output_) {
+          *static_cast<int64_t*>(AllocateOutput(api_, context, 0, {}, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64)) = id;
+        }
       } catch (py::error_already_set& e) {
         throw std::runtime_error(FormatPythonError(e));
       }
@@ -106,6 +108,20 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
  private:
   friend class PythonKernel<ForwardLayout>;
 
+  // Output 0 may be left unnamed only where no context is made (nothing could release one).
+  void CheckValues(const std::vector<DeclaredValue>& inputs, const std::vector<DeclaredValue>& outputs) {
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      CheckDeclared("input", i, inputs[i], layout_.input_tensor_types[i], "attribute 'input_tensor_types'");
+    }
+    context_id_output_ = !outputs[0].name.empty();
+    if (context_id_output_ || layout_.training_mode) {
+      CheckDeclared("output", 0, outputs[0], ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, kContextIdFormat);
+    }
+    for (size_t j = 1; j < outputs.size(); ++j) {
+      CheckDeclared("output", j, outputs[j], layout_.output_tensor_types[j - 1], "attribute 'output_tensor_types'");
+    }
+  }
+
   // A Function may write only into an input that the node declares updated in place (which then
   // views its output's buffer); any other input's buffer other nodes could read.
   static void CheckInPlaceWrites(const std::vector<TensorView>& inputs, const std::vector<TensorView>& outputs,
@@ -122,6 +138,8 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
       }
     }
   }
+
+  bool context_id_output_ = true;  // whether output 0 has a value name
 
   // ortbridge._runner.ForwardNode(func_name, args with constants in place, ...). GIL held.
   py::object MakeRunner() const {

@@ -32,25 +32,19 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
       int64_t id = ContextId(context);
       py::gil_scoped_acquire gil;
       // Taken first: from here on the context is released however this call ends.
-      std::optional<SavedContext> saved = Contexts().Take(id);
+      std::optional<SavedContext> saved =
+          Contexts().TakeIf(id, [&](const SavedContext& s) { return s.function == function_; });
       if (!saved) {
         throw std::runtime_error("context id " + std::to_string(id) +
-                                 " is not live: its backward already ran, it was released, or its PythonOp ran "
-                                 "with training_mode=0");
+                                 " is not a live context of this Function: its backward already ran, it was "
+                                 "released, its PythonOp ran with training_mode=0, or another Function made it");
       }
       std::vector<TensorView> grads(layout_.input_tensor_types.size());  // absent gradients stay empty
       for (size_t k = 0; k < layout_.grad_input_slots.size(); ++k) {
         size_t slot = layout_.grad_input_slots[k];
         grads[slot] = ReadInput(api_, context, k + 1, layout_.input_tensor_types[slot], layout_.input_tensor_ranks[slot]);
       }
-      if (saved->outputs.size() != layout_.input_tensor_types.size() ||
-          saved->inputs.size() != layout_.output_tensor_types.size()) {
-        throw std::runtime_error("the node takes gradients for " + std::to_string(layout_.input_tensor_types.size()) +
-                                 " outputs and gives " + std::to_string(layout_.output_tensor_types.size()) +
-                                 ", but the forward of context " + std::to_string(id) + " had " +
-                                 std::to_string(saved->outputs.size()) + " outputs and " +
-                                 std::to_string(saved->inputs.size()) + " tensor inputs");
-      }
+      CheckMatchesForward(*saved);
       try {
         // One capsule or None per gradient output; None where no gradient is wanted or the
         // Function gave none (written as zeros).
@@ -82,6 +76,39 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
 
  private:
   friend class PythonKernel<BackwardLayout>;
+
+  // Gradient outputs nobody wants may be left unnamed (ORT's format does so).
+  void CheckValues(const std::vector<DeclaredValue>& inputs, const std::vector<DeclaredValue>& outputs) const {
+    CheckDeclared("input", 0, inputs[0], ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, kContextIdFormat);
+    for (size_t k = 1; k < inputs.size(); ++k) {
+      CheckDeclared("input", k, inputs[k], layout_.input_tensor_types[layout_.grad_input_slots[k - 1]],
+                               "attribute 'input_tensor_types'");
+    }
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      if (layout_.output_requires_grad[i]) {
+        CheckDeclared("output", i, outputs[i], layout_.output_tensor_types[i], "attribute 'output_tensor_types'");
+      }
+    }
+  }
+
+  // The node must describe the forward call the context came from: gradients are written in
+  // its input types (zeros included), with its input shapes.
+  void CheckMatchesForward(const SavedContext& saved) const {
+    if (saved.outputs.size() != layout_.input_tensor_types.size() ||
+        saved.inputs.size() != layout_.output_tensor_types.size()) {
+      throw std::runtime_error("the node takes gradients for " + std::to_string(layout_.input_tensor_types.size()) +
+                               " outputs and gives " + std::to_string(layout_.output_tensor_types.size()) +
+                               ", but the forward of this context had " + std::to_string(saved.outputs.size()) +
+                               " outputs and " + std::to_string(saved.inputs.size()) + " tensor inputs");
+    }
+    for (size_t i = 0; i < saved.inputs.size(); ++i) {
+      if (saved.inputs[i].elem_type != layout_.output_tensor_types[i]) {
+        throw std::runtime_error("output_tensor_types entry " + std::to_string(i) + " is " +
+                                 ElementTypeName(layout_.output_tensor_types[i]) + ", but forward input " +
+                                 std::to_string(i) + " was " + ElementTypeName(saved.inputs[i].elem_type));
+      }
+    }
+  }
 
   // (shape, ONNX type) of each forward output whose gradient is absent, for Functions that
   // materialize it as zeros; None when every gradient is present.

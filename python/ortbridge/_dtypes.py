@@ -1,13 +1,15 @@
-"""torch dtype <-> ONNX TensorProto element type."""
+"""torch dtype <-> ONNX TensorProto element type, from the kernel library's one table."""
 
 import torch
 
-TO_ONNX = {
-    torch.float32: 1, torch.uint8: 2, torch.int8: 3, torch.uint16: 4, torch.int16: 5, torch.int32: 6,
-    torch.int64: 7, torch.bool: 9, torch.float16: 10, torch.float64: 11, torch.uint32: 12, torch.uint64: 13,
-    torch.complex64: 14, torch.complex128: 15, torch.bfloat16: 16,
-}
-FROM_ONNX = {v: k for k, v in TO_ONNX.items()}
+from . import _C
+
+# Every torch dtype by its name (torch.float32 -> "float32"): a fixed table, so that a name from a
+# model file never reaches getattr(torch, ...) and torch's lazy module loader.
+BY_NAME = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+FROM_ONNX = {onnx: BY_NAME[name] for onnx, name in _C.element_types().items()}
+TO_ONNX = {d: onnx for onnx, d in FROM_ONNX.items()}
 
 
 def onnx_type(dtype: torch.dtype) -> int:

@@ -9,8 +9,14 @@ with one tag key; dicts are tagged too, so no user dict is ever read as a tag.
 from __future__ import annotations
 
 import json
+import re
 
 import torch
+
+from . import _dtypes
+
+# The device literals a model may name: fixed types, a small index (torch's is 8 bits).
+_DEVICE = re.compile(r"(cpu|cuda|meta|mps|xpu)(:[0-9]{1,2})?")
 
 
 def encodable(value) -> bool:
@@ -50,9 +56,9 @@ def _untag(obj: dict):
         if tag == "dict" and isinstance(body, list) and all(
                 isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in body):
             return dict(body)
-        if tag == "dtype" and isinstance(getattr(torch, str(body), None), torch.dtype):
-            return getattr(torch, body)
-        if tag == "device" and isinstance(body, str):
+        if tag == "dtype" and isinstance(body, str) and body in _dtypes.BY_NAME:
+            return _dtypes.BY_NAME[body]
+        if tag == "device" and isinstance(body, str) and _DEVICE.fullmatch(body):
             return torch.device(body)
     raise ValueError(f"unknown literal {json.dumps(obj)[:80]}")
 

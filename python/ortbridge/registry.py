@@ -7,6 +7,7 @@ cannot make the process run code it did not opt into.
 
 from __future__ import annotations
 
+import secrets
 import threading
 
 import torch
@@ -16,7 +17,8 @@ from . import operators
 
 _lock = threading.Lock()
 _functions: dict[str, type] = {}
-_objects: dict[int, object] = {}
+_objects: dict[int, object] = {}  # key -> pinned object
+_keys: dict[int, int] = {}  # id of a pinned object -> its key
 
 
 class UnknownFunctionError(LookupError):
@@ -78,10 +80,16 @@ def lookup(name: str) -> type:
 
 
 def pin_object(obj: object) -> int:
-    """Keep `obj` alive and return the key a graph may use to refer to it (in-process only)."""
-    key = id(obj)
+    """Keep `obj` alive and return the key a graph may use to refer to it (in-process only).
+
+    Keys are random, so a model file cannot name an object another model pinned; pinning the same
+    object again gives the same key."""
     with _lock:
+        key = _keys.get(id(obj))
+        while key is None or (key in _objects and _objects[key] is not obj):
+            key = secrets.randbits(63)
         _objects[key] = obj
+        _keys[id(obj)] = key  # (pinned objects live forever, so their ids stay theirs)
     return key
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import onnxruntime as ort
 
 from . import _C
@@ -29,8 +30,9 @@ def session_options(options: ort.SessionOptions | None = None) -> ort.SessionOpt
     return options
 
 
-def _releasing_on_failure(run):
-    """Wraps a run method so that a failed run releases the autograd contexts it created."""
+def _scoped(run, outputs_of):
+    """Wraps a run method in a run scope: a failed run releases the autograd contexts it created;
+    a run that succeeds releases those whose id no output holds (nothing could ever take them)."""
 
     @functools.wraps(run)
     def scoped(self, *args, **kwargs):
@@ -40,10 +42,34 @@ def _releasing_on_failure(run):
         except BaseException:
             _C._end_run(failed=True)
             raise
-        _C._end_run(failed=False)
+        unheld = _C._end_run(failed=False)
+        if unheld:
+            returned = _returned(unheld, outputs_of(result, args, kwargs))
+            for context_id in unheld:
+                if context_id not in returned:
+                    _C.release_context(context_id)
         return result
 
     return scoped
+
+
+def _returned(ids: list, outputs) -> set:
+    """Those of `ids` among a run's int64 outputs (numpy arrays or OrtValues)."""
+    wanted = np.array(ids, dtype=np.int64)
+    found = set()
+    for value in outputs:
+        if isinstance(value, ort.OrtValue):
+            if not value.is_tensor() or value.data_type() != "tensor(int64)" or value.device_name() != "cpu":
+                continue
+            value = value.numpy()
+        if isinstance(value, np.ndarray) and value.dtype == np.int64:
+            found.update(wanted[np.isin(wanted, value)].tolist())
+    return found
+
+
+def _binding_outputs(result, args, kwargs):
+    binding = args[0] if args else kwargs["iobinding"]
+    return binding.get_outputs()
 
 
 class InferenceSession(ort.InferenceSession):
@@ -53,9 +79,9 @@ class InferenceSession(ort.InferenceSession):
                  provider_options=None, **kwargs):
         super().__init__(path_or_bytes, session_options(sess_options), providers, provider_options, **kwargs)
 
-    run = _releasing_on_failure(ort.InferenceSession.run)
-    run_with_ort_values = _releasing_on_failure(ort.InferenceSession.run_with_ort_values)
-    run_with_iobinding = _releasing_on_failure(ort.InferenceSession.run_with_iobinding)
+    run = _scoped(ort.InferenceSession.run, lambda result, args, kwargs: result)
+    run_with_ort_values = _scoped(ort.InferenceSession.run_with_ort_values, lambda result, args, kwargs: result)
+    run_with_iobinding = _scoped(ort.InferenceSession.run_with_iobinding, _binding_outputs)
 
 
 def context_pool_size() -> int:

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <memory>
 #include <optional>
 #include <set>
@@ -70,8 +71,36 @@ TEST_F(PoolTest, IdsAreNotReusedAfterTake) {
   Pool pool;
   int64_t first = pool.Add(Handle(1));
   pool.Take(first);
-  EXPECT_NE(pool.Add(Handle(2)), first);  // a stale id must not reach a newer context
+  EXPECT_NE(pool.Add(Handle(2)), first);  // (random: equal once in 2^63 draws)
   pool.TakeAll();
+}
+
+TEST_F(PoolTest, IdsCannotBeGuessedFromAnother) {
+  // A model that sees one id (its own context's) must not be able to compute another: ids are
+  // positive 63-bit random numbers, not a count.
+  Pool pool;
+  std::vector<int64_t> ids;
+  for (int i = 0; i < 200; ++i) ids.push_back(pool.Add(Handle(i)));
+  int high_bit_set = 0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    EXPECT_GT(ids[i], 0);
+    if (i > 0) {
+      EXPECT_GT(std::llabs(ids[i] - ids[i - 1]), 1 << 20) << "consecutive ids " << ids[i - 1] << ", " << ids[i];
+    }
+    high_bit_set += (ids[i] >> 62) & 1;
+  }
+  EXPECT_GT(high_bit_set, 50);  // about 100 of 200 draws
+  EXPECT_LT(high_bit_set, 150);
+  pool.TakeAll();
+}
+
+TEST_F(PoolTest, TakeIfLeavesAnEntryThatDoesNotBelong) {
+  Pool pool;
+  int64_t id = pool.Add(Handle(7));
+  EXPECT_FALSE(pool.TakeIf(id, [](const Handle& h) { return h.value() == 8; }).has_value());
+  EXPECT_TRUE(pool.Contains(id));
+  EXPECT_EQ(pool.TakeIf(id, [](const Handle& h) { return h.value() == 7; })->value(), 7);
+  EXPECT_FALSE(pool.Contains(id));
 }
 
 TEST_F(PoolTest, TakeReturnsTheHandleOnce) {

@@ -228,7 +228,7 @@ class WithHandle(torch.nn.Module):
 def test_objects_pass_by_reference_in_process_and_saving_needs_opt_in(dynamo, tmp_path):
     model, x = WithHandle(), torch.randn(3)
     proto = ortbridge.export(model, (x,), dynamo=dynamo)  # not saved: runs in this process
-    assert attributes(nodes(proto)[0])["input_pointer_scalars"] == [id(model.handle)]
+    assert attributes(nodes(proto)[0])["input_pointer_scalars"] == [ortbridge.pin_object(model.handle)]
     assert_same(run(proto, x), eager(model, x))
     path = tmp_path / "m.onnx"
     with pytest.raises(ortbridge.ExportError, match=r"argument 1 of test_export.ByReference.apply is a Handle object"
