@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "attributes.h"
 #include "context_id.h"
 #include "element_types.h"
 #include "kernel_io.h"
@@ -10,8 +11,51 @@
 
 namespace py = pybind11;
 
+namespace {
+
+// The kernel<->runner contract: the parsed node, read-only, from which ortbridge._runner builds
+// its node (every Python value of a constant is made there).
+void BindLayouts(py::module_& m) {
+  using ortbridge::BackwardLayout;
+  using ortbridge::Constant;
+  using ortbridge::ForwardLayout;
+  py::class_<Constant> constant(m, "Constant", "One constant argument of Function.apply, fixed in the graph.");
+  py::enum_<Constant::Kind>(constant, "Kind")
+      .value("BOOL", Constant::Kind::kBool)
+      .value("INT", Constant::Kind::kInt)
+      .value("FLOAT", Constant::Kind::kFloat)
+      .value("BOOL_TUPLE", Constant::Kind::kBoolTuple)
+      .value("INT_TUPLE", Constant::Kind::kIntTuple)
+      .value("FLOAT_TUPLE", Constant::Kind::kFloatTuple)
+      .value("OBJECT", Constant::Kind::kObject)
+      .value("LITERAL", Constant::Kind::kLiteral);
+  constant.def_readonly("kind", &Constant::kind)
+      .def_readonly("position", &Constant::position)
+      .def_readonly("ints", &Constant::ints)
+      .def_readonly("floats", &Constant::floats);
+  py::class_<ForwardLayout>(m, "ForwardLayout", "A PythonOp node's attributes, validated.")
+      .def_readonly("func_name", &ForwardLayout::func_name)
+      .def_readonly("input_convention", &ForwardLayout::input_convention)
+      .def_readonly("training_mode", &ForwardLayout::training_mode)
+      .def_readonly("safe_run_mode", &ForwardLayout::safe_run_mode)
+      .def_readonly("requires_grad", &ForwardLayout::requires_grad)
+      .def_readonly("tensor_positions", &ForwardLayout::tensor_positions)
+      .def_readonly("constants", &ForwardLayout::constants)
+      .def_readonly("literals", &ForwardLayout::literals)
+      .def_readonly("output_tensor_types", &ForwardLayout::output_tensor_types)
+      .def_readonly("in_place", &ForwardLayout::in_place);
+  py::class_<BackwardLayout>(m, "BackwardLayout", "A PythonOpGrad node's attributes, validated.")
+      .def_readonly("func_name", &BackwardLayout::func_name)
+      .def_readonly("output_convention", &BackwardLayout::output_convention)
+      .def_readonly("output_positions", &BackwardLayout::output_positions)
+      .def_readonly("output_requires_grad", &BackwardLayout::output_requires_grad);
+}
+
+}  // namespace
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "ortbridge kernel library: PythonOp and PythonOpGrad for ONNX Runtime";
+  BindLayouts(m);
   m.def("context_pool_size", [] { return ortbridge::Contexts().Size(); },
         "Number of live autograd contexts (forwards in training mode whose backward has not run).");
   m.def(

@@ -1,5 +1,9 @@
 #include "ort_util.h"
 
+// The C++ wrappers over the API table ORT hands RegisterCustomOps (ORT_API_MANUAL_INIT: no
+// library to link), where they say in one line what the C API takes five for.
+#include <onnxruntime_cxx_api.h>
+
 #include <atomic>
 
 namespace ortbridge {
@@ -117,102 +121,69 @@ bool CopyInputTypeShape(const OrtApi& api, OrtShapeInferContext* ctx, size_t inp
   return true;
 }
 
-std::string NodeName(const OrtApi& api, const OrtKernelInfo* info) {
-  size_t size = 0;
-  ThrowOnError(api, api.KernelInfo_GetNodeName(info, nullptr, &size));
-  std::string s(size, '\0');
-  ThrowOnError(api, api.KernelInfo_GetNodeName(info, s.data(), &size));
-  s.resize(size > 0 ? size - 1 : 0);
-  return s;
-}
+std::string NodeName(const OrtApi&, const OrtKernelInfo* info) { return Ort::ConstKernelInfo(info).GetNodeName(); }
 
-bool GetInputTensor(const OrtApi& api, OrtKernelContext* ctx, size_t index, TensorView* out) {
-  const OrtValue* value = nullptr;
-  ThrowOnError(api, api.KernelContext_GetInput(ctx, index, &value));
+bool GetInputTensor(const OrtApi&, OrtKernelContext* ctx, size_t index, TensorView* out) {
+  Ort::ConstValue value = Ort::KernelContext(ctx).GetInput(index);
   if (!value) return false;
-  OrtTensorTypeAndShapeInfo* info = nullptr;
-  ThrowOnError(api, api.GetTensorTypeAndShape(value, &info));
-  ONNXTensorElementDataType type;
-  size_t rank = 0;
-  OrtStatus* status = api.GetTensorElementType(info, &type);
-  if (!status) status = api.GetDimensionsCount(info, &rank);
-  if (!status) {
-    out->shape.resize(rank);
-    status = api.GetDimensions(info, out->shape.data(), rank);
-  }
-  api.ReleaseTensorTypeAndShapeInfo(info);
-  ThrowOnError(api, status);
-  out->elem_type = type;
+  Ort::TensorTypeAndShapeInfo info = value.GetTensorTypeAndShapeInfo();
+  out->elem_type = info.GetElementType();
+  out->shape = info.GetShape();
   // ORT hands inputs as const; the kernel only reads them.
-  ThrowOnError(api, api.GetTensorMutableData(const_cast<OrtValue*>(value), &out->data));
+  out->data = const_cast<void*>(value.GetTensorRawData());
   return true;
 }
 
-void* AllocateOutput(const OrtApi& api, OrtKernelContext* ctx, size_t index, const std::vector<int64_t>& shape,
+void* AllocateOutput(const OrtApi&, OrtKernelContext* ctx, size_t index, const std::vector<int64_t>& shape,
                      int64_t elem_type) {
-  OrtValue* value = nullptr;
-  ThrowOnError(api, api.KernelContext_GetOutput(ctx, index, shape.data(), shape.size(), &value));
+  Ort::UnownedValue value = Ort::KernelContext(ctx).GetOutput(index, shape);
   if (!value) throw std::runtime_error("output " + std::to_string(index) + " has no value in the graph");
-  OrtTensorTypeAndShapeInfo* info = nullptr;
-  ThrowOnError(api, api.GetTensorTypeAndShape(value, &info));
-  ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-  size_t count = 0;
-  OrtStatus* status = api.GetTensorElementType(info, &type);
-  if (!status) status = api.GetTensorShapeElementCount(info, &count);
-  api.ReleaseTensorTypeAndShapeInfo(info);
-  ThrowOnError(api, status);
+  Ort::TensorTypeAndShapeInfo info = value.GetTensorTypeAndShapeInfo();
   size_t expected = 1;
   for (int64_t d : shape) expected *= static_cast<size_t>(d);
-  if (type != elem_type || count != expected) {
+  if (info.GetElementType() != elem_type || info.GetElementCount() != expected) {
     throw std::runtime_error("ONNX Runtime allocated output " + std::to_string(index) + " as " +
-                             ElementTypeName(type) + " of " + std::to_string(count) + " elements, but the node writes " +
-                             ElementTypeName(elem_type) + " of " + std::to_string(expected));
+                             ElementTypeName(info.GetElementType()) + " of " + std::to_string(info.GetElementCount()) +
+                             " elements, but the node writes " + ElementTypeName(elem_type) + " of " +
+                             std::to_string(expected));
   }
-  void* data = nullptr;
-  ThrowOnError(api, api.GetTensorMutableData(value, &data));
-  return data;
+  return value.GetTensorMutableRawData();
 }
 
 namespace {
 
-using NameGetter = OrtStatus*(ORT_API_CALL*)(const OrtKernelInfo*, size_t, char*, size_t*);
-using TypeGetter = OrtStatus*(ORT_API_CALL*)(const OrtKernelInfo*, size_t, OrtTypeInfo**);
+// The element type of a declared value, 0 where the graph gives it no tensor type.
+int64_t TensorElementType(const Ort::TypeInfo& type) {
+  return type.GetONNXType() == ONNX_TYPE_TENSOR ? type.GetTensorTypeAndShapeInfo().GetElementType() : 0;
+}
 
-std::vector<DeclaredValue> Declared(const OrtApi& api, const OrtKernelInfo* info, size_t count, NameGetter get_name,
-                                    TypeGetter get_type) {
+template <class Name, class Type>
+std::vector<DeclaredValue> Declared(size_t count, Name&& name_of, Type&& type_of) {
   std::vector<DeclaredValue> values(count);
   for (size_t i = 0; i < count; ++i) {
-    size_t size = 0;
-    ThrowOnError(api, get_name(info, i, nullptr, &size));
-    std::string name(size, '\0');
-    ThrowOnError(api, get_name(info, i, name.data(), &size));
-    name.resize(size > 0 ? size - 1 : 0);
-    values[i].name = std::move(name);
-    OrtTypeInfo* type_info = nullptr;
-    if (values[i].name.empty() || !Released(api, get_type(info, i, &type_info)) || !type_info) continue;
-    const OrtTensorTypeAndShapeInfo* tensor = nullptr;  // owned by type_info; null for non-tensors
-    ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-    if (Released(api, api.CastTypeInfoToTensorInfo(type_info, &tensor)) && tensor &&
-        Released(api, api.GetTensorElementType(tensor, &type))) {
-      values[i].elem_type = type;
+    values[i].name = name_of(i);
+    if (values[i].name.empty()) continue;  // an empty slot has no type
+    try {
+      values[i].elem_type = TensorElementType(type_of(i));
+    } catch (const Ort::Exception&) {
+      // no type in the graph: elem_type stays 0
     }
-    api.ReleaseTypeInfo(type_info);
   }
   return values;
 }
 
 }  // namespace
 
-std::vector<DeclaredValue> DeclaredInputs(const OrtApi& api, const OrtKernelInfo* info) {
-  size_t count = 0;
-  ThrowOnError(api, api.KernelInfo_GetInputCount(info, &count));
-  return Declared(api, info, count, api.KernelInfo_GetInputName, api.KernelInfo_GetInputTypeInfo);
+std::vector<DeclaredValue> DeclaredInputs(const OrtApi&, const OrtKernelInfo* info) {
+  Ort::ConstKernelInfo k(info);
+  return Declared(k.GetInputCount(), [&](size_t i) { return k.GetInputName(i); },
+                  [&](size_t i) { return k.GetInputTypeInfo(i); });
 }
 
-std::vector<DeclaredValue> DeclaredOutputs(const OrtApi& api, const OrtKernelInfo* info) {
-  size_t count = 0;
-  ThrowOnError(api, api.KernelInfo_GetOutputCount(info, &count));
-  return Declared(api, info, count, api.KernelInfo_GetOutputName, api.KernelInfo_GetOutputTypeInfo);
+std::vector<DeclaredValue> DeclaredOutputs(const OrtApi&, const OrtKernelInfo* info) {
+  Ort::ConstKernelInfo k(info);
+  return Declared(k.GetOutputCount(), [&](size_t i) { return k.GetOutputName(i); },
+                  [&](size_t i) { return k.GetOutputTypeInfo(i); });
 }
 
 }  // namespace ortbridge

@@ -9,33 +9,6 @@
 namespace ortbridge {
 namespace {
 
-// The Python objects for the constant arguments, built once per kernel.
-py::object ConstantValue(const Constant& c) {
-  switch (c.kind) {
-    case Constant::Kind::kBool: return py::bool_(c.ints[0] != 0);
-    case Constant::Kind::kInt: return py::int_(c.ints[0]);
-    case Constant::Kind::kFloat: return py::float_(c.floats[0]);
-    case Constant::Kind::kBoolTuple: {
-      py::tuple t(c.ints.size());
-      for (size_t i = 0; i < c.ints.size(); ++i) t[i] = py::bool_(c.ints[i] != 0);
-      return std::move(t);
-    }
-    case Constant::Kind::kIntTuple: {
-      py::tuple t(c.ints.size());
-      for (size_t i = 0; i < c.ints.size(); ++i) t[i] = py::int_(c.ints[i]);
-      return std::move(t);
-    }
-    case Constant::Kind::kFloatTuple: {
-      py::tuple t(c.floats.size());
-      for (size_t i = 0; i < c.floats.size(); ++i) t[i] = py::float_(c.floats[i]);
-      return std::move(t);
-    }
-    case Constant::Kind::kObject: return Runner().attr("pinned_object")(c.ints[0]);
-    case Constant::Kind::kLiteral: break;  // decoded all at once, in MakeRunner
-  }
-  throw std::logic_error("unknown constant kind");
-}
-
 class PythonOpKernel : public PythonKernel<ForwardLayout> {
  public:
   static constexpr const char* kName = "PythonOp";
@@ -141,26 +114,7 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
 
   bool context_id_output_ = true;  // whether output 0 has a value name
 
-  // ortbridge._runner.ForwardNode(func_name, args with constants in place, ...). GIL held.
-  py::object MakeRunner() const {
-    py::list args;  // tensor slots stay None until a call fills them
-    for (size_t i = 0; i < layout_.input_convention.size(); ++i) args.append(py::none());
-    py::list literals;
-    size_t literal_count = std::count_if(layout_.constants.begin(), layout_.constants.end(),
-                                         [](const Constant& c) { return c.kind == Constant::Kind::kLiteral; });
-    if (literal_count) literals = Runner().attr("decode_literals")(layout_.literals, literal_count);
-    for (const Constant& c : layout_.constants) {
-      args[c.position] = c.kind == Constant::Kind::kLiteral ? literals[c.ints[0]] : ConstantValue(c);
-    }
-    py::list positions, requires_grad, updated;
-    for (size_t i = 0; i < layout_.tensor_positions.size(); ++i) {
-      positions.append(layout_.tensor_positions[i]);
-      requires_grad.append(py::bool_(layout_.requires_grad[i]));
-    }
-    for (auto [output, input] : layout_.in_place) updated.append(input);
-    return Runner().attr("ForwardNode")(layout_.func_name, args, positions, requires_grad, layout_.training_mode,
-                                        layout_.safe_run_mode, layout_.output_tensor_types.size(), updated);
-  }
+  py::object MakeRunner() const { return Runner().attr("ForwardNode")(layout_); }  // GIL held
 };
 
 }  // namespace

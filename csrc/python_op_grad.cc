@@ -138,16 +138,7 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
     return *static_cast<const int64_t*>(t.data);
   }
 
-  // ortbridge._runner.BackwardNode(func_name, argument count, ...). GIL held.
-  py::object MakeRunner() const {
-    py::list positions, requires_grad;
-    for (size_t i = 0; i < layout_.output_positions.size(); ++i) {
-      positions.append(layout_.output_positions[i]);
-      requires_grad.append(py::bool_(layout_.output_requires_grad[i]));
-    }
-    return Runner().attr("BackwardNode")(layout_.func_name, layout_.output_convention.size(), positions,
-                                         requires_grad);
-  }
+  py::object MakeRunner() const { return Runner().attr("BackwardNode")(layout_); }  // GIL held
 };
 
 }  // namespace

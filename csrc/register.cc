@@ -4,6 +4,8 @@
 #include <mutex>
 #include <string>
 
+#include <onnxruntime_cxx_api.h>
+
 #include "custom_op.h"
 
 namespace ortbridge {
@@ -37,6 +39,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   static std::once_flag once;
   std::call_once(once, [&] {
     g_api = api;
+    Ort::InitApi(api);
     domain_error = api->CreateCustomOpDomain(kDomain, &domain);
     if (!domain_error) domain_error = api->CustomOpDomain_Add(domain, PythonOp());
     if (!domain_error) domain_error = api->CustomOpDomain_Add(domain, PythonOpGrad());

@@ -14,7 +14,7 @@ import traceback
 import torch
 from torch.autograd.function import FunctionCtx
 
-from . import _dtypes, _literals, registry
+from . import _C, _dtypes, _literals, registry
 from .core.functions import uses_setup_context
 
 _from_dlpack = getattr(torch._C, "_from_dlpack", torch.utils.dlpack.from_dlpack)
@@ -26,9 +26,6 @@ _pop_saved_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 
 _functorch_active = torch._C._are_functorch_transforms_active
 
-
-pinned_object = registry.pinned_object
-decode_literals = _literals.decode
 
 
 def _direct_apply(func: type):
@@ -91,10 +88,34 @@ def _forward_without_autograd(func: type, argument_count: int):
     return call
 
 
+_Kind = _C.Constant.Kind
+_CONSTANT_VALUE = {
+    _Kind.BOOL: lambda c: bool(c.ints[0]),
+    _Kind.INT: lambda c: c.ints[0],
+    _Kind.FLOAT: lambda c: c.floats[0],
+    _Kind.BOOL_TUPLE: lambda c: tuple(map(bool, c.ints)),
+    _Kind.INT_TUPLE: lambda c: tuple(c.ints),
+    _Kind.FLOAT_TUPLE: lambda c: tuple(c.floats),
+    _Kind.OBJECT: lambda c: registry.pinned_object(c.ints[0]),
+}
+
+
+def _arguments(layout) -> list:
+    """Function.apply's arguments with the node's constants in place; tensor slots hold None."""
+    args = [None] * len(layout.input_convention)
+    constants = layout.constants
+    literal_count = sum(c.kind == _Kind.LITERAL for c in constants)
+    literals = _literals.decode(layout.literals, literal_count) if literal_count else []
+    for c in constants:
+        args[c.position] = literals[c.ints[0]] if c.kind == _Kind.LITERAL else _CONSTANT_VALUE[c.kind](c)
+    return args
+
+
 class ForwardNode:
-    def __init__(self, func_name: str, args: list, tensor_positions: list, requires_grad: list,
-                 training: bool, safe: bool, output_count: int, updated: list):
-        self.func = registry.lookup(func_name)
+    def __init__(self, layout: _C.ForwardLayout):
+        self.func = registry.lookup(layout.func_name)
+        safe = layout.safe_run_mode
+        args = _arguments(layout)
         # How forward runs unless a functorch transform is active (which needs Function.apply):
         # apply without its pass-through wrapper, or forward itself with safe_run_mode=0.
         self.fast_call = _direct_apply(self.func) if safe else _forward_without_autograd(self.func, len(args))
@@ -103,11 +124,12 @@ class ForwardNode:
         self.args = args
         # Lists and dicts among the constants, which forward may change: each call gets its own.
         self.mutable = [i for i, a in enumerate(args) if _holds_mutable(a)]
-        self.tensor_positions = tensor_positions
+        self.tensor_positions = layout.tensor_positions
+        requires_grad = layout.requires_grad
         self.requires_grad = requires_grad if any(requires_grad) else None
-        self.updated = set(updated)  # tensor inputs declared updated in place (tensor_reuse_map)
-        self.training = training
-        self.output_count = output_count
+        self.updated = {i for _, i in layout.in_place}  # tensor inputs updated in place (tensor_reuse_map)
+        self.training = layout.training_mode
+        self.output_count = len(layout.output_tensor_types)
 
     def run(self, capsules: tuple) -> tuple:
         """(autograd context or None, one capsule per output[, indices of inputs modified in place])."""
@@ -207,13 +229,14 @@ def _own_borrowed_attributes(ctx, borrowed: set) -> None:
 
 
 class BackwardNode:
-    def __init__(self, func_name: str, argument_count: int, output_positions: list, requires_grad: list):
-        self.func = registry.lookup(func_name)
+    def __init__(self, layout: _C.BackwardLayout):
+        self.func = registry.lookup(layout.func_name)
         self.backward = self.func.backward
         self.name = registry.qualified_name(self.func)
         self.backward_value = f"{self.name}.backward value"
-        self.argument_count = argument_count
-        self.outputs = [position if wanted else None for position, wanted in zip(output_positions, requires_grad)]
+        self.argument_count = len(layout.output_convention)
+        self.outputs = [position if wanted else None
+                        for position, wanted in zip(layout.output_positions, layout.output_requires_grad)]
         self.no_gradients = (None,) * len(self.outputs)
 
     def run(self, ctx, capsules: tuple, absent: dict | None) -> tuple:

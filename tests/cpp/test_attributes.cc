@@ -1,6 +1,7 @@
 // ParseForward / ParseBackward: the layouts a well-formed node yields, and for every malformed
 // node an AttributeError whose message names the attribute at fault.
 #include "attributes.h"
+#include "attribute_map.h"
 
 #include <gtest/gtest.h>
 
@@ -13,39 +14,6 @@
 
 namespace ortbridge {
 namespace {
-
-// Attributes by type, as ORT stores them: a getter finds only its own type.
-class MapAttributes : public AttributeSource {
- public:
-  std::map<std::string, int64_t> ints;
-  std::map<std::string, std::string> strings;
-  std::map<std::string, std::vector<int64_t>> int_lists;
-  std::map<std::string, std::vector<float>> float_lists;
-
-  bool Has(const char* name) const override {
-    return ints.count(name) || strings.count(name) || int_lists.count(name) || float_lists.count(name);
-  }
-  bool GetInt(const char* name, int64_t* out) const override { return Find(ints, name, out); }
-  bool GetString(const char* name, std::string* out) const override { return Find(strings, name, out); }
-  bool GetInts(const char* name, std::vector<int64_t>* out) const override { return Find(int_lists, name, out); }
-  bool GetFloats(const char* name, std::vector<float>* out) const override { return Find(float_lists, name, out); }
-
-  void Erase(const std::string& name) {
-    ints.erase(name);
-    strings.erase(name);
-    int_lists.erase(name);
-    float_lists.erase(name);
-  }
-
- private:
-  template <class Map, class T>
-  static bool Find(const Map& map, const char* name, T* out) {
-    auto it = map.find(name);
-    if (it == map.end()) return false;
-    *out = it->second;
-    return true;
-  }
-};
 
 int64_t Bits(double d) {
   int64_t bits;
@@ -961,6 +929,58 @@ TEST(ElementTypes, SupportedSet) {
   EXPECT_STREQ(ElementTypeName(16), "bfloat16");
   EXPECT_STREQ(ElementTypeName(17), "unsupported");
   EXPECT_STREQ(ElementTypeName(-1), "unsupported");
+  EXPECT_EQ(ElementSize(ONNX_TENSOR_ELEMENT_DATA_TYPE_COMPLEX128), 16u);
+  EXPECT_EQ(ElementSize(ONNX_TENSOR_ELEMENT_DATA_TYPE_STRING), 0u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hostile values: bounded ranks, names that must reach Python, bytes in error texts
+
+TEST_F(ForwardTest, RejectsRanksBeyondTheBound) {
+  for (int64_t rank : {kMaxRank + 1, int64_t{10000000}, int64_t{1} << 62}) {
+    a.int_lists["output_tensor_ranks"] = {rank};
+    EXPECT_TRUE(Fails("output_tensor_ranks", "rank " + std::to_string(rank) + " is not valid")) << rank;
+    a.int_lists["output_tensor_ranks"] = {1};
+    a.int_lists["input_tensor_ranks"] = {rank};
+    EXPECT_TRUE(Fails("input_tensor_ranks", "is not valid")) << rank;
+    a.Erase("input_tensor_ranks");
+  }
+  a.int_lists["output_tensor_ranks"] = {kMaxRank};
+  EXPECT_EQ(Parse().output_tensor_ranks, (std::vector<int64_t>{kMaxRank}));
+}
+
+TEST_F(ForwardTest, RejectsFunctionNamesThatAreNotUtf8) {
+  a.strings["func_name"] = std::string("bad\xff\0name", 9);
+  EXPECT_TRUE(Fails("func_name", "'bad\\xff\\x00name' is not valid UTF-8"));
+}
+
+TEST_F(ForwardTest, RejectsLiteralsThatAreNotUtf8) {
+  UseConstantSlot();
+  a.strings["input_literals"] = "[\"\xc3\x28\"]";  // an invalid two-byte sequence
+  a.int_lists["input_literal_positions"] = {1};
+  EXPECT_TRUE(Fails("input_literals", "not valid UTF-8"));
+}
+
+TEST_F(ForwardTest, EscapesConventionBytesInTheMessage) {
+  a.strings["input_convention"] = "\x01";
+  EXPECT_TRUE(Fails("input_convention", "unknown argument kind '\\x01'"));
+}
+
+TEST(Printable, KeepsUtf8AndEscapesTheRest) {
+  EXPECT_EQ(Printable("plain.Name"), "plain.Name");
+  EXPECT_EQ(Printable("gr\xc3\xbc\xc3\x9f \xe2\x82\xac \xf0\x9f\x98\x80"), "gr\xc3\xbc\xc3\x9f \xe2\x82\xac \xf0\x9f\x98\x80");
+  EXPECT_EQ(Printable(std::string("a\0b", 3)), "a\\x00b");
+  EXPECT_EQ(Printable("\xff\n\x7f"), "\\xff\\x0a\\x7f");
+  EXPECT_EQ(Printable("\xc0\xaf"), "\\xc0\\xaf");          // overlong
+  EXPECT_EQ(Printable("\xed\xa0\x80"), "\\xed\\xa0\\x80");  // a surrogate
+  EXPECT_EQ(Printable("\xe2\x82"), "\\xe2\\x82");          // truncated
+}
+
+TEST(IsValidUtf8, AllowsControlCharactersButNotNul) {
+  EXPECT_TRUE(IsValidUtf8("tab\there\n"));
+  EXPECT_TRUE(IsValidUtf8("\xe2\x82\xac"));
+  EXPECT_FALSE(IsValidUtf8(std::string("a\0", 2)));
+  EXPECT_FALSE(IsValidUtf8("\xff"));
 }
 
 }  // namespace
