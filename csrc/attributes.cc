@@ -307,6 +307,7 @@ ForwardLayout ParseForward(const AttributeSource& a, size_t input_count, size_t 
   CheckTypes("output_tensor_types", f.output_tensor_types);
   f.output_tensor_ranks =
       Ranks(a, "output_tensor_ranks", output_count - 1, "one per node output after the context id", true);
+  CheckOutputDims("output_tensor_ranks", f.output_tensor_ranks);
   ReadReuseMap(a, input_count, output_count, f);
   return f;
 }
@@ -354,6 +355,7 @@ BackwardLayout ParseBackward(const AttributeSource& a, size_t input_count, size_
   CheckSize("output_tensor_types", b.output_tensor_types.size(), output_count, "one per gradient output");
   CheckTypes("output_tensor_types", b.output_tensor_types);
   b.output_tensor_ranks = Ranks(a, "output_tensor_ranks", output_count, "one per gradient output", true);
+  CheckOutputDims("output_tensor_ranks", b.output_tensor_ranks);
   auto rg = Ints(a, "output_tensor_requires_grads", true);
   CheckSize("output_tensor_requires_grads", rg.size(), output_count, "one per gradient output");
   for (int64_t r : rg) {
@@ -361,6 +363,15 @@ BackwardLayout ParseBackward(const AttributeSource& a, size_t input_count, size_
     b.output_requires_grad.push_back(r == 1);
   }
   return b;
+}
+
+void CheckOutputDims(const char* attribute, const std::vector<int64_t>& ranks) {
+  int64_t dims = 0;
+  for (int64_t r : ranks) dims += r > 0 ? r : 0;  // each rank is at most kMaxRank: no overflow
+  if (dims > kMaxOutputDims) {
+    Fail(attribute, "the outputs have " + std::to_string(dims) + " dimensions in all; at most " +
+                        std::to_string(kMaxOutputDims) + " are allowed per node");
+  }
 }
 
 namespace {

@@ -17,6 +17,12 @@ namespace ortbridge {
 // bound keeps a hostile rank from costing gigabytes before anything else is checked (torch
 // supports at most 64 dimensions, too).
 constexpr int64_t kMaxRank = 64;
+// The dimensions of all outputs of one node together: ORT keeps some 400 bytes per inferred
+// dimension, so this bounds what one node's few bytes of ranks can cost.
+constexpr int64_t kMaxOutputDims = 256;
+
+// Throws AttributeError (naming `attribute`) when `ranks` add up to more than kMaxOutputDims.
+void CheckOutputDims(const char* attribute, const std::vector<int64_t>& ranks);
 
 // `text` as it may appear in an error message: valid UTF-8 and printable ASCII as they are, any
 // other byte (invalid UTF-8, control characters, NUL) as \xNN. Attribute values and names come

@@ -11,6 +11,7 @@ void InferOutputsFromAttributes(const OrtApi& api, OrtShapeInferContext* context
   if (ranks.size() != types.size()) {
     throw std::runtime_error("output_tensor_ranks and output_tensor_types differ in length");
   }
+  CheckOutputDims("output_tensor_ranks", ranks);  // before any dimension is made
   for (size_t i = 0; i < types.size(); ++i) {
     const size_t j = first + i;
     // A reused input whose type or rank differs (ORTModule maps views too) gets the general rule.

@@ -949,6 +949,16 @@ TEST_F(ForwardTest, RejectsRanksBeyondTheBound) {
   EXPECT_EQ(Parse().output_tensor_ranks, (std::vector<int64_t>{kMaxRank}));
 }
 
+TEST_F(ForwardTest, RejectsMoreOutputDimensionsThanTheBound) {
+  const int64_t outputs_of_max_rank = kMaxOutputDims / kMaxRank;
+  a.int_lists["output_tensor_types"] = std::vector<int64_t>(outputs_of_max_rank + 1, 1);
+  a.int_lists["output_tensor_ranks"] = std::vector<int64_t>(outputs_of_max_rank + 1, kMaxRank);
+  outputs = outputs_of_max_rank + 2;
+  EXPECT_TRUE(Fails("output_tensor_ranks", "at most " + std::to_string(kMaxOutputDims) + " are allowed per node"));
+  a.int_lists["output_tensor_ranks"].back() = 0;  // exactly the bound
+  EXPECT_NO_THROW(Parse());
+}
+
 TEST_F(ForwardTest, RejectsFunctionNamesThatAreNotUtf8) {
   a.strings["func_name"] = std::string("bad\xff\0name", 9);
   EXPECT_TRUE(Fails("func_name", "'bad\\xff\\x00name' is not valid UTF-8"));
