@@ -20,26 +20,21 @@ from conftest import T, model, python_op, python_op_grad, session, value
 ORT_ERRORS = (Fail, InvalidGraph, RuntimeException)
 
 
-@ortbridge.register(name="hostile.Double")
-class Double(torch.autograd.Function):
-    @staticmethod
+def scaling(factor: int, name: str) -> type:
+    """A registered Function multiplying by `factor`: two of them are two distinct Functions."""
+
     def forward(ctx, x):
-        return x * 2
+        return x * factor
 
-    @staticmethod
     def backward(ctx, g):
-        return g * 2
+        return g * factor
+
+    cls = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    return ortbridge.register(cls, name=f"hostile.{name}")
 
 
-@ortbridge.register(name="hostile.Triple")
-class Triple(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x * 3
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * 3
+Double = scaling(2, "Double")
+Triple = scaling(3, "Triple")
 
 
 @ortbridge.register(name="hostile.Transposed")
