@@ -394,11 +394,12 @@ size_t Utf8SequenceLength(const std::string& text, size_t i) {
 
 }  // namespace
 
-std::string Printable(const std::string& text) {
+std::string Printable(const std::string& text, size_t max_bytes) {
   static const char* hex = "0123456789abcdef";
   std::string out;
-  out.reserve(text.size());
+  out.reserve(std::min(text.size(), max_bytes));
   for (size_t i = 0; i < text.size();) {
+    if (out.size() >= max_bytes) return out + "... (" + std::to_string(text.size()) + " bytes)";
     const auto c = static_cast<unsigned char>(text[i]);
     size_t n = Utf8SequenceLength(text, i);
     if (n == 1 && (c < 0x20 || c == 0x7f)) n = 0;  // control characters and NUL

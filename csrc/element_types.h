@@ -1,6 +1,7 @@
 // The one table of tensor element types that cross between ONNX Runtime and torch: ORT's
 // enum, the name (torch's dtype name, also used in error texts) and the DLPack encoding.
-// Strings and float8/int4 types have no torch counterpart that DLPack carries: absent.
+// Strings and float8/int4 types have no torch counterpart that DLPack carries, and ORT refuses
+// complex types for custom ops: absent.
 #pragma once
 
 #include <onnxruntime_c_api.h>
@@ -13,7 +14,7 @@ namespace ortbridge {
 struct ElementType {
   ONNXTensorElementDataType onnx;
   const char* name;
-  uint8_t dlpack_code;  // DLDataTypeCode: 0 int, 1 uint, 2 float, 4 bfloat, 5 complex, 6 bool
+  uint8_t dlpack_code;  // DLDataTypeCode: 0 int, 1 uint, 2 float, 4 bfloat, 6 bool
   uint8_t bits;
 };
 
@@ -30,8 +31,6 @@ inline constexpr ElementType kElementTypes[] = {
     {ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE, "float64", 2, 64},
     {ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT32, "uint32", 1, 32},
     {ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT64, "uint64", 1, 64},
-    {ONNX_TENSOR_ELEMENT_DATA_TYPE_COMPLEX64, "complex64", 5, 64},
-    {ONNX_TENSOR_ELEMENT_DATA_TYPE_COMPLEX128, "complex128", 5, 128},
     {ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16, "bfloat16", 4, 16},
 };
 

@@ -21,17 +21,17 @@ void InferOutputsFromAttributes(const OrtApi& api, OrtShapeInferContext* context
   }
 }
 
-void CheckDeclared(const char* kind, size_t index, const DeclaredValue& value, int64_t type,
-                   const char* declared_by) {
+void CheckDeclared(const char* kind, size_t index, const DeclaredValue& value, int64_t type, const char* typed_by,
+                   const char* wanted_by) {
   const std::string what = std::string(kind) + " " + std::to_string(index);
   if (value.name.empty()) {
-    throw AttributeError(what + " has an empty name, but the node " + (kind[0] == 'i' ? "reads" : "writes") +
-                         " a value there");
+    throw AttributeError(what + " has an empty name, but " + wanted_by + " says the node " +
+                         (kind[0] == 'i' ? "reads" : "writes") + " a value there");
   }
   if (value.elem_type != type) {
     throw AttributeError(what + " ('" + Printable(value.name) + "') is " +
                          (value.elem_type ? std::string(ElementTypeName(value.elem_type)) : "of no tensor type") +
-                         " in the graph, but " + declared_by + " says " + ElementTypeName(type));
+                         " in the graph, but " + typed_by + " says " + ElementTypeName(type));
   }
 }
 

@@ -26,6 +26,8 @@ class PythonKernel {
     return Guarded(api, prefix, [&] {
       std::string node = NodeName(api, info);
       prefix = std::string("ortbridge ") + Kernel::kName + " node '" + Printable(node) + "': ";
+      // ORT quotes the node name raw in its own run errors, which Python must decode.
+      if (!IsValidUtf8(node)) throw AttributeError("the node name is not valid UTF-8");
       const std::vector<DeclaredValue> inputs = DeclaredInputs(api, info);
       const std::vector<DeclaredValue> outputs = DeclaredOutputs(api, info);
       auto kernel = std::make_unique<Kernel>(
@@ -56,11 +58,11 @@ class PythonKernel {
 };
 
 // Refuses a node input or output that the kernel reads or writes when the graph leaves it
-// unnamed or declares another element type than `type`, which `declared_by` declares
-// ("attribute 'output_tensor_types'").
+// unnamed (`wanted_by` says why a value is needed there) or declares another element type than
+// `type` (which `typed_by` gives), as "attribute 'output_tensor_types'".
 constexpr const char* kContextIdFormat = "the node format (a context id)";
-void CheckDeclared(const char* kind, size_t index, const DeclaredValue& value, int64_t type,
-                   const char* declared_by);
+void CheckDeclared(const char* kind, size_t index, const DeclaredValue& value, int64_t type, const char* typed_by,
+                   const char* wanted_by);
 
 // Sets outputs [first, ...) from the node's output_tensor_types and output_tensor_ranks, except
 // that output j takes the shape of input reuse[j] when that entry is >= 0 and the input has the

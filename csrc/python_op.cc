@@ -84,14 +84,17 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
   // Output 0 may be left unnamed only where no context is made (nothing could release one).
   void CheckValues(const std::vector<DeclaredValue>& inputs, const std::vector<DeclaredValue>& outputs) {
     for (size_t i = 0; i < inputs.size(); ++i) {
-      CheckDeclared("input", i, inputs[i], layout_.input_tensor_types[i], "attribute 'input_tensor_types'");
+      CheckDeclared("input", i, inputs[i], layout_.input_tensor_types[i], "attribute 'input_tensor_types'",
+                    "attribute 'input_convention'");
     }
     context_id_output_ = !outputs[0].name.empty();
     if (context_id_output_ || layout_.training_mode) {
-      CheckDeclared("output", 0, outputs[0], ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, kContextIdFormat);
+      CheckDeclared("output", 0, outputs[0], ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, kContextIdFormat,
+                    "attribute 'training_mode'");
     }
     for (size_t j = 1; j < outputs.size(); ++j) {
-      CheckDeclared("output", j, outputs[j], layout_.output_tensor_types[j - 1], "attribute 'output_tensor_types'");
+      CheckDeclared("output", j, outputs[j], layout_.output_tensor_types[j - 1], "attribute 'output_tensor_types'",
+                    "attribute 'output_tensor_types'");
     }
   }
 

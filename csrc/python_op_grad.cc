@@ -79,14 +79,15 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
 
   // Gradient outputs nobody wants may be left unnamed (ORT's format does so).
   void CheckValues(const std::vector<DeclaredValue>& inputs, const std::vector<DeclaredValue>& outputs) const {
-    CheckDeclared("input", 0, inputs[0], ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, kContextIdFormat);
+    CheckDeclared("input", 0, inputs[0], ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, kContextIdFormat, kContextIdFormat);
     for (size_t k = 1; k < inputs.size(); ++k) {
       CheckDeclared("input", k, inputs[k], layout_.input_tensor_types[layout_.grad_input_slots[k - 1]],
-                               "attribute 'input_tensor_types'");
+                    "attribute 'input_tensor_types'", "attribute 'input_tensor_present'");
     }
     for (size_t i = 0; i < outputs.size(); ++i) {
       if (layout_.output_requires_grad[i]) {
-        CheckDeclared("output", i, outputs[i], layout_.output_tensor_types[i], "attribute 'output_tensor_types'");
+        CheckDeclared("output", i, outputs[i], layout_.output_tensor_types[i], "attribute 'output_tensor_types'",
+                      "attribute 'output_tensor_requires_grads'");
       }
     }
   }

@@ -1,0 +1,1 @@
+"""Structure-aware fuzzing of ortbridge PythonOp / PythonOpGrad graphs (see campaign.py)."""
