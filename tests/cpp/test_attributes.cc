@@ -107,7 +107,7 @@ TEST_F(ForwardTest, SeveralOutputs) {
 
 TEST_F(ForwardTest, EverySupportedElementType) {
   for (int64_t t = 1; t <= 16; ++t) {
-    if (t == 8) continue;  // string
+    if (t == 8 || t == 14 || t == 15) continue;  // string, complex64, complex128
     a.int_lists["input_tensor_types"] = {t};
     a.int_lists["output_tensor_types"] = {t};
     EXPECT_NO_THROW(Parse()) << "type " << t;
