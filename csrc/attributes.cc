@@ -367,7 +367,12 @@ BackwardLayout ParseBackward(const AttributeSource& a, size_t input_count, size_
 
 void CheckOutputDims(const char* attribute, const std::vector<int64_t>& ranks) {
   int64_t dims = 0;
-  for (int64_t r : ranks) dims += r > 0 ? r : 0;  // each rank is at most kMaxRank: no overflow
+  for (int64_t r : ranks) {
+    if (r > kMaxRank) {
+      Fail(attribute, "rank " + std::to_string(r) + " is not valid (at most " + std::to_string(kMaxRank) + ")");
+    }
+    dims += r > 0 ? r : 0;  // (shape inference calls this on ranks nothing checked before)
+  }
   if (dims > kMaxOutputDims) {
     Fail(attribute, "the outputs have " + std::to_string(dims) + " dimensions in all; at most " +
                         std::to_string(kMaxOutputDims) + " are allowed per node");

@@ -958,6 +958,9 @@ TEST_F(ForwardTest, RejectsMoreOutputDimensionsThanTheBound) {
   EXPECT_TRUE(Fails("output_tensor_ranks", "at most " + std::to_string(kMaxOutputDims) + " are allowed per node"));
   a.int_lists["output_tensor_ranks"].back() = 0;  // exactly the bound
   EXPECT_NO_THROW(Parse());
+  // Shape inference checks ranks no parse has seen: the sum must not overflow.
+  EXPECT_TRUE(Rejects([] { CheckOutputDims("output_tensor_ranks", {3, INT64_MAX}); }, "output_tensor_ranks",
+                      "rank 9223372036854775807 is not valid"));
 }
 
 TEST_F(ForwardTest, RejectsFunctionNamesThatAreNotUtf8) {
