@@ -5,6 +5,7 @@
 #include <cxxabi.h>
 #include <onnxruntime_c_api.h>
 
+#include <cstdio>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -15,9 +16,18 @@ namespace ortbridge {
 
 // The lowest ORT API the kernels use: V2 (status) callbacks, shape inference, node names.
 constexpr uint32_t kOrtApiVersion = 17;
-// OrtCustomOp::version: ORT reads the callbacks of that version and no newer. 18 adds MayInplace;
-// ORT 1.18 and newer load the library.
+// OrtCustomOp::version: ORT reads the callbacks of that version and no newer. 18 adds MayInplace.
 constexpr uint32_t kCustomOpVersion = 18;
+// The oldest ORT release the kernels work on: 1.18 loads them, but its graphs ignore the types
+// their shape inference sets, so every PythonOp output fails type inference.
+constexpr int kMinOrtMinorVersion = 19;
+
+// Whether an ORT version string ("1.19.2") names a release the kernels work on.
+inline bool IsSupportedOrtVersion(const char* version) {
+  int major = 0, minor = 0;
+  if (std::sscanf(version, "%d.%d", &major, &minor) != 2) return false;
+  return major > 1 || (major == 1 && minor >= kMinOrtMinorVersion);
+}
 
 // An ORT call that failed inside a kernel; turned back into an OrtStatus at the C boundary.
 class OrtError : public std::runtime_error {

@@ -24,13 +24,11 @@ const OrtApi& Api() { return *g_api; }
 extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
                                                                                const OrtApiBase* api_base) {
   using namespace ortbridge;
-  // The ops declare custom-op version 18 (MayInplace), which older runtimes refuse.
-  int major = 0, minor = 0;
-  std::sscanf(api_base->GetVersionString(), "%d.%d", &major, &minor);
   const OrtApi* api = api_base->GetApi(kOrtApiVersion);
-  if (!api || major < 1 || (major == 1 && minor < static_cast<int>(kCustomOpVersion))) {
+  if (!api || !IsSupportedOrtVersion(api_base->GetVersionString())) {
     return api_base->GetApi(1)->CreateStatus(
-        ORT_FAIL, (std::string("ortbridge needs ONNX Runtime 1.18 or newer; this is ") + api_base->GetVersionString())
+        ORT_FAIL, ("ortbridge needs ONNX Runtime 1." + std::to_string(kMinOrtMinorVersion) + " or newer; this is " +
+                   api_base->GetVersionString())
                       .c_str());
   }
   // One domain serves every session; ORT keeps pointers to it, so it lives as long as the process.

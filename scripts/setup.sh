@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sets everything up on a fresh Debian/Ubuntu machine with Python 3.9+, then runs the main job
+# Sets everything up on a fresh Debian/Ubuntu machine with Python 3.11+, then runs the main job
 # (examples/quickstart.py). Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
