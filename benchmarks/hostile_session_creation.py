@@ -75,7 +75,7 @@ try:
     ortbridge.InferenceSession(m, providers=["CPUExecutionProvider"])
     outcome = "created"
 except Exception as e:
-    outcome = "refused: " + str(e).split("Status Message: ")[-1].split("\n")[0][:90]
+    outcome = "refused: " + str(e).split("initialization: ")[-1].split("] : ")[-1].split("\n")[0][:100]
 seconds = time.perf_counter() - start
 print(json.dumps(dict(case=case, bytes=len(m), seconds=seconds,
                       mb=(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss) / 2**20, outcome=outcome)))
