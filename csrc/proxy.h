@@ -4,6 +4,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include <new>
 #include <string>
 
 #include "ort_util.h"
@@ -37,6 +38,30 @@ int64_t AddContext(SavedContext saved);
 // threads (ORT's parallel executor) are not covered.
 void BeginRunScope();
 std::vector<int64_t> EndRunScope(bool failed);
+
+// Holds the GIL for a kernel call, as py::gil_scoped_acquire does, except when the call is being
+// unwound because CPython is ending this (daemon) thread at interpreter exit: CPython has freed
+// the thread's state by then, so releasing it would touch freed memory (ASan showed it). The
+// process is exiting; the state is left as it is.
+class KernelGil {
+ public:
+  KernelGil() { new (&storage_) py::gil_scoped_acquire(); }
+  KernelGil(const KernelGil&) = delete;
+  KernelGil& operator=(const KernelGil&) = delete;
+  ~KernelGil() {
+    if (!InterpreterFinalizing()) reinterpret_cast<py::gil_scoped_acquire*>(&storage_)->~gil_scoped_acquire();
+  }
+
+ private:
+  static bool InterpreterFinalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+    return Py_IsFinalizing();
+#else
+    return _Py_IsFinalizing();
+#endif
+  }
+  alignas(py::gil_scoped_acquire) unsigned char storage_[sizeof(py::gil_scoped_acquire)];
+};
 
 // Throws std::runtime_error when no interpreter can run kernels (none, or it is exiting).
 // Callable without the GIL.

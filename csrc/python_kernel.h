@@ -37,7 +37,7 @@ class PythonKernel {
       // inference succeeded: ORT ignores its status), so the two must agree before any write.
       kernel->CheckValues(inputs, outputs);
       RequirePython();
-      py::gil_scoped_acquire gil;
+      KernelGil gil;
       try {
         py::object runner = kernel->MakeRunner();
         kernel->function_ = runner.attr("func").ptr();  // kept alive by the runner

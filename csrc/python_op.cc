@@ -38,7 +38,7 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
           RedirectToOutput(api_, context, output, &inputs[input]);
         }
       }
-      py::gil_scoped_acquire gil;
+      KernelGil gil;
       try {
         // (autograd context or None, output capsules..., [indices of inputs modified in place])
         py::tuple result = run_(BorrowInputs(inputs));

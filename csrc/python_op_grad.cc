@@ -30,7 +30,7 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
     return Guarded(api_, error_prefix_, [&] {
       RequirePython();
       int64_t id = ContextId(context);
-      py::gil_scoped_acquire gil;
+      KernelGil gil;
       // Taken first: from here on the context is released however this call ends.
       std::optional<SavedContext> saved =
           Contexts().TakeIf(id, [&](const SavedContext& s) { return s.function == function_; });

@@ -2,8 +2,9 @@
 # Runs CMD with the ASan + UBSan build of ortbridge._C (build/sanitized, gcc) imported in place
 # of the installed one, e.g.
 #   scripts/with_sanitizers.sh python3 -m pytest -q tests/python/test_inference.py
-# A sanitizer finding aborts the process, so CMD fails. Builds (or brings up to date) the module
-# first; expects scripts/setup.sh to have run.
+# A sanitizer finding aborts the process, so CMD fails (under pytest, pass --capture=sys: the
+# report goes to file descriptor 2, which pytest's default capture swallows as the process aborts).
+# Builds (or brings up to date) the module first; expects scripts/setup.sh to have run.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=$root/build/sanitized
