@@ -42,7 +42,8 @@ int64_t FromDLDataType(dl::DataType d) {
   return 0;
 }
 
-PyObject* BorrowAsCapsule(void* data, int64_t onnx_type, const int64_t* shape, size_t ndim, dl::Device device) {
+PyObject* BorrowAsCapsule(void* data, int64_t onnx_type, const int64_t* shape, size_t ndim, dl::Device device,
+                          const int64_t* given_strides) {
   auto* b = new BorrowedTensor;
   b->shape_and_strides.resize(2 * ndim);
   int64_t* dims = b->shape_and_strides.data();
@@ -50,7 +51,7 @@ PyObject* BorrowAsCapsule(void* data, int64_t onnx_type, const int64_t* shape, s
   int64_t stride = 1;
   for (size_t i = ndim; i-- > 0;) {
     dims[i] = shape[i];
-    strides[i] = stride;
+    strides[i] = given_strides ? given_strides[i] : stride;
     stride *= shape[i] > 0 ? shape[i] : 1;
   }
   dl::Tensor& t = b->managed.dl_tensor;
@@ -109,23 +110,34 @@ void ImportedTensor::CopyTo(void* dst) const {
     std::memmove(dst, data(), n * item);  // memmove: dst may overlap
     return;
   }
-  // The bytes the strided elements span; a copy into memory they overlap goes through a buffer.
-  const dl::Tensor& t = tensor();
-  int64_t low = 0, high = 0;
-  for (int32_t d = 0; d < t.ndim; ++d) {
-    const int64_t reach = (t.shape[d] - 1) * t.strides[d];
-    (reach < 0 ? low : high) += reach;
-  }
-  const char* first = data() + low * static_cast<int64_t>(item);
-  const char* end = data() + (high + 1) * static_cast<int64_t>(item);
   char* out = static_cast<char*>(dst);
-  if (out < end && first < out + n * item) {
+  if (Overlaps(dst)) {  // through a buffer
     std::vector<char> staging(n * item);
     CopyStrided(staging.data());
     std::memcpy(out, staging.data(), staging.size());
   } else {
     CopyStrided(out);
   }
+}
+
+bool ImportedTensor::Overlaps(const void* dst) const {
+  // The bytes the (possibly strided) elements span.
+  const dl::Tensor& t = tensor();
+  const int64_t item = static_cast<int64_t>(element_size());
+  const int64_t n = element_count();
+  if (n == 0) return false;
+  int64_t low = 0, high = n - 1;
+  if (t.strides) {
+    high = 0;
+    for (int32_t d = 0; d < t.ndim; ++d) {
+      const int64_t reach = (t.shape[d] - 1) * t.strides[d];
+      (reach < 0 ? low : high) += reach;
+    }
+  }
+  const char* first = data() + low * item;
+  const char* end = data() + (high + 1) * item;
+  const char* out = static_cast<const char*>(dst);
+  return out < end && first < out + n * item;
 }
 
 void ImportedTensor::CopyStrided(char* out) const {

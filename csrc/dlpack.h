@@ -42,8 +42,10 @@ struct ManagedTensor {
 bool ToDLDataType(int64_t onnx_type, dl::DataType* out);
 int64_t FromDLDataType(dl::DataType dtype);  // 0 when there is no ONNX type for it
 
-// A new "dltensor" capsule viewing `data` (borrowed: valid only while ORT keeps the buffer).
-PyObject* BorrowAsCapsule(void* data, int64_t onnx_type, const int64_t* shape, size_t ndim, dl::Device device);
+// A new "dltensor" capsule viewing `data` (borrowed: valid only while its owner keeps the
+// buffer), with `strides` in elements (null: compact row-major).
+PyObject* BorrowAsCapsule(void* data, int64_t onnx_type, const int64_t* shape, size_t ndim, dl::Device device,
+                          const int64_t* strides = nullptr);
 
 // A new "dltensor" capsule that owns `managed`: the consumer calls its deleter, or the capsule
 // does when nobody consumed it (also when creating the capsule fails).
@@ -65,8 +67,10 @@ class ImportedTensor {
   size_t element_size() const { return tensor().dtype.bits / 8; }
   // Whether the elements lie in row-major order without gaps (no strides, or compact ones).
   bool compact() const;
-  // Copies the elements, in row-major order, to dst (which holds element_count() elements).
-  // dst may overlap the tensor's own memory (a view of the buffer ORT gave the output).
+  // Whether the `element_count()` elements at dst overlap the bytes this tensor spans.
+  bool Overlaps(const void* dst) const;
+  // Copies the elements, in row-major order, to host memory dst (which holds element_count()
+  // elements). dst may overlap the tensor's own memory (a view of the buffer ORT gave the output).
   void CopyTo(void* dst) const;
 
  private:

@@ -37,7 +37,7 @@ TensorView ReadInput(const OrtApi& api, OrtKernelContext* context, size_t index,
   return t;
 }
 
-py::tuple BorrowInputs(const std::vector<TensorView>& inputs) {
+py::tuple BorrowInputs(const std::vector<TensorView>& inputs, dl::Device device) {
   py::tuple capsules(inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
     const TensorView& t = inputs[i];
@@ -45,7 +45,7 @@ py::tuple BorrowInputs(const std::vector<TensorView>& inputs) {
     if (t.elem_type == 0) {
       Py_INCREF(item);  // no tensor in this slot
     } else {
-      item = BorrowAsCapsule(t.data, t.elem_type, t.shape.data(), t.shape.size(), {dl::kCPU, 0});
+      item = BorrowAsCapsule(t.data, t.elem_type, t.shape.data(), t.shape.size(), device);
       if (!item) throw py::error_already_set();
     }
     PyTuple_SET_ITEM(capsules.ptr(), i, item);
@@ -53,14 +53,17 @@ py::tuple BorrowInputs(const std::vector<TensorView>& inputs) {
   return capsules;
 }
 
-TensorView WriteOutput(const OrtApi& api, OrtKernelContext* context, size_t index, PyObject* capsule, int64_t type,
-                       int64_t rank, const char* kind, const std::vector<int64_t>* expected_shape) {
+TensorView KernelOutputs::Write(size_t index, PyObject* capsule, int64_t type, int64_t rank, const char* kind,
+                                const std::vector<int64_t>* expected_shape) {
   ImportedTensor t(capsule);
   const dl::Tensor& d = t.tensor();
   auto what = [&] { return std::string(kind) + " " + std::to_string(index); };
-  if (d.device.device_type != dl::kCPU) {
-    throw std::runtime_error(what() + " is on " + DeviceName(d.device) +
-                             ", but this kernel runs on the CPU execution provider");
+  const dl::Device device = placement_.device;
+  if (d.device.device_type != device.device_type || d.device.device_id != device.device_id) {
+    const std::string runs_on = placement_.backend == Backend::kCuda
+                                    ? DeviceName(device) + " (the CUDA execution provider)"
+                                    : std::string("the CPU execution provider");
+    throw std::runtime_error(what() + " is on " + DeviceName(d.device) + ", but this kernel runs on " + runs_on);
   }
   const int64_t got = FromDLDataType(d.dtype);
   if (got != type) ThrowTypeMismatch(what(), got, type);
@@ -75,9 +78,11 @@ TensorView WriteOutput(const OrtApi& api, OrtKernelContext* context, size_t inde
     throw std::runtime_error(what() + " has shape " + ShapeText(out.shape) + ", but the forward input had shape " +
                              ShapeText(*expected_shape));
   }
-  out.data = AllocateOutput(api, context, index, out.shape, type);
+  out.data = AllocateOutput(api_, context_, index, out.shape, type);
   if (out.data == t.data() && t.compact()) {
     g_skipped_copies.fetch_add(1, std::memory_order_relaxed);  // the Function wrote into ORT's buffer
+  } else if (placement_.via_torch()) {
+    TorchCopy(runner_, out.data, t);  // queued on the stream: t's memory stays valid (see device.h)
   } else {
     t.CopyTo(out.data);  // also a view of that buffer (a transpose, a slice): it may overlap
   }
@@ -94,16 +99,37 @@ size_t ByteSize(const TensorMeta& meta) {
 
 }  // namespace
 
-void RedirectToOutput(const OrtApi& api, OrtKernelContext* context, size_t index, TensorView* input) {
-  void* buffer = AllocateOutput(api, context, index, input->shape, input->elem_type);
-  if (buffer != input->data) {
+void KernelOutputs::Redirect(size_t index, TensorView* input) {
+  void* buffer = AllocateOutput(api_, context_, index, input->shape, input->elem_type);
+  if (buffer == input->data) return;
+  if (placement_.via_torch()) {
+    TorchCopy(runner_, buffer, *input, placement_.device);
+  } else {
     std::memcpy(buffer, input->data, ByteSize(*input));
-    input->data = buffer;
+  }
+  input->data = buffer;
+}
+
+void KernelOutputs::Zeros(size_t index, const TensorMeta& meta) {
+  TensorView out;
+  static_cast<TensorMeta&>(out) = meta;
+  out.data = AllocateOutput(api_, context_, index, meta.shape, meta.elem_type);
+  if (placement_.via_torch()) {
+    TorchFill(runner_, out, placement_.device, 0);
+  } else {
+    std::memset(out.data, 0, ByteSize(meta));
   }
 }
 
-void WriteZeros(const OrtApi& api, OrtKernelContext* context, size_t index, const TensorMeta& meta) {
-  std::memset(AllocateOutput(api, context, index, meta.shape, meta.elem_type), 0, ByteSize(meta));
+void KernelOutputs::Scalar(size_t index, int64_t value) {
+  TensorView out;
+  out.elem_type = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+  out.data = AllocateOutput(api_, context_, index, {}, out.elem_type);
+  if (placement_.via_torch()) {
+    TorchFill(runner_, out, placement_.device, value);
+  } else {
+    *static_cast<int64_t*>(out.data) = value;
+  }
 }
 
 uint64_t SkippedOutputCopies() { return g_skipped_copies.load(); }

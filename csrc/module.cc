@@ -5,6 +5,7 @@
 
 #include "attributes.h"
 #include "context_id.h"
+#include "custom_op.h"
 #include "element_types.h"
 #include "kernel_io.h"
 #include "proxy.h"
@@ -85,6 +86,25 @@ PYBIND11_MODULE(_C, m) {
   m.def("skipped_output_copies", &ortbridge::SkippedOutputCopies,
         "Outputs written without a copy since the process started: the Function wrote in place into the "
         "buffer ONNX Runtime gave the output.");
+  m.def(
+      "_kernels",
+      [] {
+        using ortbridge::Backend;
+        py::list kernels;
+        for (Backend backend : {Backend::kCpu, Backend::kCuda, Backend::kCpuViaTorch}) {
+          for (const OrtCustomOp* op : {ortbridge::PythonOp(backend), ortbridge::PythonOpGrad(backend)}) {
+            const char* provider = op->GetExecutionProviderType(op);
+            py::list memory;
+            for (size_t i = 0; i < 2; ++i) {
+              memory.append(op->GetInputMemoryType(op, i) == OrtMemTypeCPUInput ? "cpu" : "default");
+            }
+            kernels.append(py::make_tuple(op->GetName(op), provider ? provider : "CPUExecutionProvider",
+                                          backend == Backend::kCpuViaTorch, memory));
+          }
+        }
+        return kernels;
+      },
+      "(op, execution provider, takes the device path, memory types of inputs 0 and 1) of every kernel.");
   m.def("_begin_run", &ortbridge::BeginRunScope);
   m.def("_end_run", &ortbridge::EndRunScope, py::arg("failed"),
         "Closes this thread's run scope; returns the ids of the contexts the run left live that no "

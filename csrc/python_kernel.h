@@ -1,5 +1,6 @@
 // What PythonOp and PythonOpGrad share: creation from node attributes (errors name the node
-// and the function), the bound Python runner, and type inference from output attributes.
+// and the function), the placement of the tensors, the bound Python runner, and type inference
+// from output attributes.
 #pragma once
 
 #include <memory>
@@ -16,12 +17,15 @@ class PythonKernel {
       : api_(api), layout_(std::move(layout)),
         error_prefix_(std::string("ortbridge ") + op + " node '" + Printable(node) + "' (function '" +
                       Printable(layout_.func_name) + "'): ") {}
-  ~PythonKernel() { ReleasePython(run_); }
+  ~PythonKernel() {
+    ReleasePython(run_);
+    ReleasePython(runner_);
+  }
 
   // Kernel creation at session creation: parse and validate the attributes, then bind the
   // Function through the registry (an unknown func_name fails here).
   template <class Kernel>
-  static OrtStatus* Create(const OrtApi& api, const OrtKernelInfo* info, void** out) {
+  static OrtStatus* Create(const OrtApi& api, const OrtKernelInfo* info, Backend backend, void** out) {
     std::string prefix = std::string("ortbridge ") + Kernel::kName + ": ";
     return Guarded(api, prefix, [&] {
       std::string node = NodeName(api, info);
@@ -33,15 +37,16 @@ class PythonKernel {
       auto kernel = std::make_unique<Kernel>(
           api, node, Kernel::Parse(KernelInfoAttributes(api, info), inputs.size(), outputs.size()));
       prefix = kernel->error_prefix_;
+      kernel->placement_ = PlacementOf(api, info, backend);
       // ORT allocates outputs by the graph's types (which are the attributes' only when shape
       // inference succeeded: ORT ignores its status), so the two must agree before any write.
       kernel->CheckValues(inputs, outputs);
       RequirePython();
       KernelGil gil;
       try {
-        py::object runner = kernel->MakeRunner();
-        kernel->function_ = runner.attr("func").ptr();  // kept alive by the runner
-        kernel->run_ = runner.attr("run");
+        kernel->runner_ = kernel->MakeRunner(DeviceName(kernel->placement_.device));
+        kernel->function_ = kernel->runner_.attr("func").ptr();  // kept alive by the runner
+        kernel->run_ = kernel->runner_.attr("run");
       } catch (py::error_already_set& e) {
         throw std::runtime_error(FormatPythonError(e));
       }
@@ -53,7 +58,9 @@ class PythonKernel {
   const OrtApi& api_;
   const Layout layout_;
   const std::string error_prefix_;
-  py::object run_;                      // the runner node's bound `run` method
+  Placement placement_;
+  py::object runner_;                   // ortbridge._runner's node: runs the Function, writes device buffers
+  py::object run_;                      // its bound `run` method
   const PyObject* function_ = nullptr;  // the Function class: contexts belong to it
 };
 

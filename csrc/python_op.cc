@@ -21,9 +21,11 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
   PythonOpKernel(const OrtApi& api, const std::string& node, ForwardLayout layout)
       : PythonKernel(api, kName, node, std::move(layout)) {}
 
-  static OrtStatus* Create(const OrtApi& api, const OrtKernelInfo* info, void** out) {
-    return PythonKernel::Create<PythonOpKernel>(api, info, out);
+  static OrtStatus* Create(const OrtApi& api, const OrtKernelInfo* info, Backend backend, void** out) {
+    return PythonKernel::Create<PythonOpKernel>(api, info, backend, out);
   }
+
+  static OrtMemType InputMemoryType(Backend, size_t) { return OrtMemTypeDefault; }
 
   OrtStatus* Compute(OrtKernelContext* context) {
     return Guarded(api_, error_prefix_, [&] {
@@ -33,15 +35,17 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
       for (size_t i = 0; i < layout_.input_tensor_types.size(); ++i) {
         inputs.push_back(ReadInput(api_, context, i, layout_.input_tensor_types[i], layout_.input_tensor_ranks[i]));
       }
-      for (auto [output, input] : layout_.in_place) {  // an output of another rank is a view: not in place
-        if (inputs[input].shape.size() == static_cast<size_t>(layout_.output_tensor_ranks[output - 1])) {
-          RedirectToOutput(api_, context, output, &inputs[input]);
-        }
-      }
       KernelGil gil;
       try {
+        StreamScope stream(api_, context, placement_, runner_);
+        KernelOutputs writer(api_, context, placement_, runner_);
+        for (auto [output, input] : layout_.in_place) {  // an output of another rank is a view: not in place
+          if (inputs[input].shape.size() == static_cast<size_t>(layout_.output_tensor_ranks[output - 1])) {
+            writer.Redirect(output, &inputs[input]);
+          }
+        }
         // (autograd context or None, output capsules..., [indices of inputs modified in place])
-        py::tuple result = run_(BorrowInputs(inputs));
+        py::tuple result = run_(BorrowInputs(inputs, placement_.device));
         const size_t n = layout_.output_tensor_types.size();
         if (result.size() != n + 1 && result.size() != n + 2) {
           throw std::logic_error("the runner returned a result of the wrong length");
@@ -50,8 +54,8 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
         // that still reads from that input.
         std::vector<TensorView> outputs(n);
         for (size_t i = n; i-- > 0;) {
-          outputs[i] = WriteOutput(api_, context, i + 1, result[i + 1].ptr(), layout_.output_tensor_types[i],
-                                   layout_.output_tensor_ranks[i], "output");
+          outputs[i] = writer.Write(i + 1, result[i + 1].ptr(), layout_.output_tensor_types[i],
+                                    layout_.output_tensor_ranks[i], "output");
         }
         if (result.size() == n + 2) CheckInPlaceWrites(inputs, outputs, result[n + 1]);
         int64_t id = PythonContextPool::kNoContext;
@@ -59,9 +63,7 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
           id = AddContext({py::reinterpret_borrow<py::object>(result[0]), function_, {inputs.begin(), inputs.end()},
                            {outputs.begin(), outputs.end()}});
         }
-        if (context_id_output_) {
-          *static_cast<int64_t*>(AllocateOutput(api_, context, 0, {}, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64)) = id;
-        }
+        if (context_id_output_) writer.Scalar(0, id);  // on the CUDA EP, in device memory
       } catch (py::error_already_set& e) {
         throw std::runtime_error(FormatPythonError(e));
       }
@@ -117,14 +119,13 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
 
   bool context_id_output_ = true;  // whether output 0 has a value name
 
-  py::object MakeRunner() const { return Runner().attr("ForwardNode")(layout_); }  // GIL held
+  py::object MakeRunner(const std::string& device) const {  // GIL held
+    return Runner().attr("ForwardNode")(layout_, device);
+  }
 };
 
 }  // namespace
 
-const OrtCustomOp* PythonOp() {
-  static CustomOp<PythonOpKernel> op;
-  return &op;
-}
+const OrtCustomOp* PythonOp(Backend backend) { return OpFor<PythonOpKernel>(backend); }
 
 }  // namespace ortbridge

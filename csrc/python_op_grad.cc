@@ -22,8 +22,14 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
   PythonOpGradKernel(const OrtApi& api, const std::string& node, BackwardLayout layout)
       : PythonKernel(api, kName, node, std::move(layout)) {}
 
-  static OrtStatus* Create(const OrtApi& api, const OrtKernelInfo* info, void** out) {
-    return PythonKernel::Create<PythonOpGradKernel>(api, info, out);
+  static OrtStatus* Create(const OrtApi& api, const OrtKernelInfo* info, Backend backend, void** out) {
+    return PythonKernel::Create<PythonOpGradKernel>(api, info, backend, out);
+  }
+
+  // The context id is read on the host: off the CPU, ORT copies its 8 bytes there (a custom op
+  // cannot keep an output in host memory, so PythonOp's id is on the device).
+  static OrtMemType InputMemoryType(Backend backend, size_t index) {
+    return backend != Backend::kCpu && index == 0 ? OrtMemTypeCPUInput : OrtMemTypeDefault;
   }
 
   OrtStatus* Compute(OrtKernelContext* context) {
@@ -46,19 +52,21 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
       }
       CheckMatchesForward(*saved);
       try {
+        StreamScope stream(api_, context, placement_, runner_);
+        KernelOutputs writer(api_, context, placement_, runner_);
         // One capsule or None per gradient output; None where no gradient is wanted or the
         // Function gave none (written as zeros).
-        py::tuple result = run_(saved->ctx, BorrowInputs(grads), AbsentGradientShapes(*saved));
+        py::tuple result = run_(saved->ctx, BorrowInputs(grads, placement_.device), AbsentGradientShapes(*saved));
         saved->ctx = py::object();  // release the context (and what it saved) before copying
         const size_t n = layout_.output_tensor_types.size();
         if (result.size() != n) throw std::logic_error("the runner returned a result of the wrong length");
         for (size_t i = 0; i < n; ++i) {
           if (!layout_.output_requires_grad[i]) continue;
           if (result[i].is_none()) {
-            WriteZeros(api_, context, i, saved->inputs[i]);
+            writer.Zeros(i, saved->inputs[i]);
           } else {
-            WriteOutput(api_, context, i, result[i].ptr(), layout_.output_tensor_types[i],
-                        layout_.output_tensor_ranks[i], "gradient output", &saved->inputs[i].shape);
+            writer.Write(i, result[i].ptr(), layout_.output_tensor_types[i], layout_.output_tensor_ranks[i],
+                         "gradient output", &saved->inputs[i].shape);
           }
         }
       } catch (py::error_already_set& e) {
@@ -139,14 +147,13 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
     return *static_cast<const int64_t*>(t.data);
   }
 
-  py::object MakeRunner() const { return Runner().attr("BackwardNode")(layout_); }  // GIL held
+  py::object MakeRunner(const std::string& device) const {  // GIL held
+    return Runner().attr("BackwardNode")(layout_, device);
+  }
 };
 
 }  // namespace
 
-const OrtCustomOp* PythonOpGrad() {
-  static CustomOp<PythonOpGradKernel> op;
-  return &op;
-}
+const OrtCustomOp* PythonOpGrad(Backend backend) { return OpFor<PythonOpGradKernel>(backend); }
 
 }  // namespace ortbridge

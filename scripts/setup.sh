@@ -24,7 +24,7 @@ bash scripts/fetch_ort_headers.sh
 # torch first, pinned: an open range with no torch installed would pull a multi-GB CUDA build.
 $PYTHON -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 $PYTHON -m pip install -q scikit-build-core pybind11 ninja
-$PYTHON -m pip install -q --no-build-isolation -e ".[test]"
+$PYTHON -m pip install -q --no-build-isolation -e ".[cpu,test]"
 # Test-only: timm (tests/python/test_real_models.py), with --no-deps. timm imports torchvision when
 # imported; the registry's torchvision for torch 2.13 (0.28.0) is a CUDA build whose C extension
 # does not load against CPU torch, after which its import fails ("operator torchvision::nms does

@@ -17,6 +17,11 @@ cmake --build "$build" --parallel 2
 models="tests/python/test_real_models.py tests/python/test_layers.py"
 without_models="--ignore=tests/python/test_real_models.py --ignore=tests/python/test_layers.py"
 $PYTHON -m pytest -q tests/python $without_models "$@"
+# The kernel suites again with the CPU kernels on the CUDA kernels' code path (torch writes every
+# output, inside a stream scope): what the CUDA execution provider runs, on machines without a GPU.
+ORTBRIDGE_TEST_KERNEL_PATH=device $PYTHON -m pytest -q -p no:cacheprovider tests/python/test_inference.py \
+  tests/python/test_training_graph.py tests/python/test_inplace.py tests/python/test_errors.py \
+  tests/python/test_hostile_models.py tests/python/test_threads.py "$@"
 $PYTHON -m pytest -q $models "$@"
 
 # The library's tests again on the oldest ONNX Runtime releases the library supports (1.19.2 is the

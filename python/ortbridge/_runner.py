@@ -4,6 +4,10 @@ The C++ kernels build one ForwardNode or BackwardNode per graph node when the se
 created and call its `run` on every Compute, holding the GIL. Inputs arrive as DLPack
 capsules that view ONNX Runtime's buffers (borrowed for the duration of the call); outputs
 leave as DLPack capsules that the kernel copies into ORT-allocated buffers.
+
+On a CUDA execution provider the node also does the kernel's device work, as the library links
+no CUDA runtime: the kernel makes ORT's compute stream torch's current stream around the call
+(use_stream, restore_stream), and torch writes ORT's device buffers on it (copy_into, fill).
 """
 
 from __future__ import annotations
@@ -52,15 +56,16 @@ def _as_tuple(result, what: str) -> tuple:
     raise TypeError(f"{what} returned {type(result).__name__}; expected a tensor or a tuple of tensors")
 
 
-def _export_tensor(t, owner: str, index: int):
-    """A DLPack capsule of `t`; the kernel checks its dtype and rank against the node. (The
-    forward inlines the common case: a CPU tensor.)"""
-    if isinstance(t, torch.Tensor) and t.is_cpu:
+def _export_tensor(t, owner: str, index: int, device: torch.device):
+    """A DLPack capsule of `t`, which must be on `device`; the kernel checks its dtype and rank
+    against the node. (The forward inlines the common case: a CPU tensor on the CPU.)"""
+    if isinstance(t, torch.Tensor) and t.device == device:
         return _to_dlpack(t)
     what = f"{owner} {index}"
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what} is {type(t).__name__}; expected a torch.Tensor")
-    raise RuntimeError(f"{what} is on {t.device}, but this kernel runs on the CPU execution provider")
+    provider = "the CPU execution provider" if device.type == "cpu" else f"{device} (the CUDA execution provider)"
+    raise RuntimeError(f"{what} is on {t.device}, but this kernel runs on {provider}")
 
 
 def _unpack_saved(t):
@@ -111,8 +116,51 @@ def _arguments(layout) -> list:
     return args
 
 
-class ForwardNode:
-    def __init__(self, layout: _C.ForwardLayout):
+class _Node:
+    """What both nodes share: the device of the kernel's tensors, and the device work of a
+    kernel off the CPU."""
+
+    def __init__(self, device: str):
+        self.device = torch.device(device)
+        self.on_cpu = self.device.type == "cpu"
+        self._streams = {}  # ORT's stream handle -> torch's view of it
+
+    def use_stream(self, stream: int):
+        """Makes ORT's compute stream for this call (a cudaStream_t as int, 0 for none) torch's
+        current stream on the node's device; returns what restore_stream puts back."""
+        if self.device.type != "cuda":
+            return None
+        torch_stream = self._streams.get(stream)
+        if torch_stream is None:  # (ExternalStream does not own ORT's stream)
+            torch_stream = self._streams[stream] = (torch.cuda.ExternalStream(stream, device=self.device) if stream
+                                                    else torch.cuda.default_stream(self.device))
+        previous = torch.cuda.current_device(), torch.cuda.current_stream(self.device)
+        torch.cuda.set_stream(torch_stream)  # (which also makes its device current)
+        return previous
+
+    @staticmethod
+    def restore_stream(previous) -> None:
+        if previous is not None:
+            device, stream = previous
+            torch.cuda.set_stream(stream)
+            torch.cuda.set_device(device)
+
+    @staticmethod
+    def copy_into(destination, source, overlapping: bool) -> None:
+        """Writes the tensor of capsule `source` into the compact buffer of capsule `destination`,
+        on the current stream. The source stays valid until the copy has run: the caching
+        allocator reuses its memory only for work ordered after it on that stream."""
+        source = _from_dlpack(source)
+        _from_dlpack(destination).copy_(source.clone() if overlapping else source)
+
+    @staticmethod
+    def fill(destination, value: int) -> None:
+        _from_dlpack(destination).fill_(value)
+
+
+class ForwardNode(_Node):
+    def __init__(self, layout: _C.ForwardLayout, device: str = "cpu"):
+        super().__init__(device)
         self.func = registry.lookup(layout.func_name)
         safe = layout.safe_run_mode
         args = _arguments(layout)
@@ -161,9 +209,10 @@ class ForwardNode:
             raise RuntimeError(f"{self.name}.forward returned {len(outputs)} outputs, but the node declares "
                                f"{self.output_count} (output_tensor_types)")
         result = [self._context(outputs, borrowed) if training else None]
+        on_cpu = self.on_cpu
         for i, o in enumerate(outputs):
-            result.append(_to_dlpack(o) if isinstance(o, torch.Tensor) and o.is_cpu
-                          else _export_tensor(o, self.forward_output, i))
+            result.append(_to_dlpack(o) if on_cpu and isinstance(o, torch.Tensor) and o.is_cpu
+                          else _export_tensor(o, self.forward_output, i, self.device))
         for t in tensors:
             if t._version:  # the Function wrote into one of ORT's buffers: rare, checked in full
                 result.append(self._modified_inputs(tensors, outputs))
@@ -228,8 +277,9 @@ def _own_borrowed_attributes(ctx, borrowed: set) -> None:
             setattr(ctx, key, value.detach().clone())
 
 
-class BackwardNode:
-    def __init__(self, layout: _C.BackwardLayout):
+class BackwardNode(_Node):
+    def __init__(self, layout: _C.BackwardLayout, device: str = "cpu"):
+        super().__init__(device)
         self.func = registry.lookup(layout.func_name)
         self.backward = self.func.backward
         self.name = registry.qualified_name(self.func)
@@ -248,7 +298,7 @@ class BackwardNode:
         grads = [None if c is None else _from_dlpack(c) for c in capsules]
         if absent and getattr(ctx, "_ortbridge_materialize_grads", True):
             for slot, (shape, onnx_type) in absent.items():
-                grads[slot] = torch.zeros(shape, dtype=_dtypes.FROM_ONNX[onnx_type])
+                grads[slot] = torch.zeros(shape, dtype=_dtypes.FROM_ONNX[onnx_type], device=self.device)
         grad_was_enabled = _is_grad_enabled()
         if grad_was_enabled:
             _set_grad_enabled(False)
@@ -267,5 +317,5 @@ class BackwardNode:
         gradients = []
         for position in self.outputs:
             g = None if position is None else results[position]
-            gradients.append(None if g is None else _export_tensor(g, self.backward_value, position))
+            gradients.append(None if g is None else _export_tensor(g, self.backward_value, position, self.device))
         return tuple(gradients)

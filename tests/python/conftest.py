@@ -3,10 +3,12 @@ that no test leaves an autograd context behind."""
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper
@@ -100,8 +102,18 @@ def model(nodes: list, inputs: list, outputs: list) -> bytes:
     return helper.make_model(graph, opset_imports=OPSETS, ir_version=8).SerializeToString()
 
 
-def session(model_bytes: bytes, **kwargs) -> ortbridge.InferenceSession:
-    return ortbridge.InferenceSession(model_bytes, providers=["CPUExecutionProvider"], **kwargs)
+# ORTBRIDGE_TEST_KERNEL_PATH=device: sessions made here run the CPU kernels on the CUDA kernels'
+# code path (ortbridge.runtime.CPU_KERNELS_VIA_TORCH). scripts/test.sh runs the kernel suites so
+# too, which covers that path on machines without a GPU.
+DEVICE_PATH = os.environ.get("ORTBRIDGE_TEST_KERNEL_PATH") == "device"
+
+
+def session(model_bytes: bytes, sess_options: ort.SessionOptions | None = None, *, device_path: bool = DEVICE_PATH,
+            **kwargs) -> ortbridge.InferenceSession:
+    if device_path:
+        sess_options = sess_options or ort.SessionOptions()
+        sess_options.add_session_config_entry(ortbridge.runtime.CPU_KERNELS_VIA_TORCH, "1")
+    return ortbridge.InferenceSession(model_bytes, sess_options, providers=["CPUExecutionProvider"], **kwargs)
 
 
 @ortbridge.register

@@ -16,7 +16,8 @@ def minor(version: str) -> tuple:
 
 def test_declared_minimums_are_the_versions_ci_tests():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    floors = dict(d.split(">=") for d in project["dependencies"])
+    extras = project["optional-dependencies"]
+    floors = dict(d.split(">=") for d in project["dependencies"] + extras["cpu"])
     torch_pin = re.search(r"TORCH_VERSION:-([0-9.]+)", (ROOT / "scripts" / "setup.sh").read_text()).group(1)
     ort_versions = re.search(r"ORT_COMPAT_VERSIONS-([0-9. ]+)\}", (ROOT / "scripts" / "test.sh").read_text()).group(1)
     assert minor(floors["torch"]) == minor(torch_pin)

@@ -132,6 +132,45 @@ def default_session_options() -> ort.SessionOptions:
     return options
 
 
+def _device_of(placeholders: list) -> torch.device:
+    """The one device of a graph's tensor inputs, context ids aside (they live on the host)."""
+    devices = {p.meta["val"].device for p in placeholders if isinstance(p.meta["val"], torch.Tensor)
+               and not any(u.target is _PYTHON_OP_GRAD and u.args[0] is p for u in p.users)}
+    if len(devices) > 1:
+        raise NotImplementedError(f"the graph's tensor inputs are on {' and '.join(sorted(map(str, devices)))}; "
+                                  "ortbridge runs a graph on one device: move the module and its arguments there")
+    device = devices.pop() if devices else torch.device("cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise NotImplementedError(f"the graph's tensor inputs are on {device}; ortbridge runs graphs on the CPU "
+                                  "and on CUDA devices")
+    return device
+
+
+_streams: dict = {}  # CUDA device -> the stream ONNX Runtime runs every graph on there
+
+
+def _cuda_stream(device: torch.device):
+    """A torch stream of ortbridge's own on `device` (ORT refuses the default one), made ORT's
+    compute stream: the Functions' kernels, ORT's and the copies are all ordered on it."""
+    if device not in _streams:
+        _streams[device] = torch.cuda.Stream(device)
+    return _streams[device]
+
+
+def _providers(providers, device: torch.device) -> list:
+    """The execution providers of a graph on `device`: the CUDA provider of that device on
+    ortbridge's stream (the user's options kept), then the CPU."""
+    if device.type == "cpu":
+        return providers or ["CPUExecutionProvider"]
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise RuntimeError(f"the module's tensors are on {device}, but this onnxruntime has no "
+                           "CUDAExecutionProvider: install onnxruntime-gpu (pip install 'ortbridge[gpu]')")
+    ours = {"device_id": str(device.index or 0), "user_compute_stream": str(_cuda_stream(device).cuda_stream)}
+    given = [(p, {}) if isinstance(p, str) else tuple(p) for p in providers or ["CPUExecutionProvider"]]
+    cuda = [(name, {**options, **ours}) for name, options in given if name == "CUDAExecutionProvider"]
+    return (cuda or [("CUDAExecutionProvider", ours)]) + [p for p in given if p[0] != "CUDAExecutionProvider"]
+
+
 def _is_context_id(node: torch.fx.Node) -> bool:
     return (node.op == "call_function" and node.target is operator.getitem and node.args[1] == 0
             and node.args[0].target is _PYTHON_OP)
@@ -149,10 +188,7 @@ class OnnxGraph:
         self.module = gm = torch.fx.GraphModule(gm, gm.graph)
         graph = gm.graph
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-        for p in placeholders:
-            if isinstance(p.meta["val"], torch.Tensor) and p.meta["val"].device.type != "cpu":
-                raise NotImplementedError(f"ortbridge training runs on the CPU; graph input {p.name} is on "
-                                          f"{p.meta['val'].device}")
+        self.device = _device_of(placeholders)
         sizes = _Sizes(graph, placeholders)
         output = graph.output_node()
         computed: list[torch.fx.Node] = []
@@ -234,7 +270,7 @@ class GraphSession:
             try:
                 self.session = runtime.InferenceSession(
                     self.model.SerializeToString(), session_options or default_session_options(),
-                    providers=providers or ["CPUExecutionProvider"])
+                    providers=_providers(providers, graph.device))
                 break
             except (ort_errors.NotImplemented, ort_errors.InvalidGraph) as e:
                 node = fallback.node_without_kernel(str(e))
@@ -245,17 +281,24 @@ class GraphSession:
             finally:
                 if save_as:
                     onnx.save(self.model, save_as)
+        if graph.device.type == "cuda" and "CUDAExecutionProvider" not in self.session.get_providers():
+            raise RuntimeError(f"ONNX Runtime could not start its CUDA execution provider for {graph.device} (its "
+                               "log says why: often CUDA or cuDNN libraries it did not find; "
+                               "onnxruntime.preload_dlls() loads torch's)")
         input_names = [i.name for i in self.session.get_inputs()]
         output_names = [o.name for o in self.session.get_outputs()]
         if len(input_names) != len(graph.tensor_inputs) or len(output_names) != len(graph.outputs):
             raise RuntimeError(f"the exported graph has {len(input_names)} inputs and {len(output_names)} "
                                f"outputs, the captured one {len(graph.tensor_inputs)} and {len(graph.outputs)}")
-        # What each run binds: (ONNX name, argument index, numpy type) per input, (name, numpy type)
-        # per output. Bound through the C binding: the Python wrapper costs ~10 us per tensor.
-        self.input_bindings = [(name, k, _dtypes.numpy_type(value.dtype))
+        # What each run binds: (ONNX name, argument index, ORT device, numpy type) per input, (name,
+        # ORT device, numpy type) per output; context ids are on the host. Bound through the C
+        # binding: the Python wrapper costs ~10 us per tensor.
+        cpu, on_device = _ort_device(torch.device("cpu")), _ort_device(graph.device)
+        self.input_bindings = [(name, k, _ort_device(value.device), _dtypes.numpy_type(value.dtype))
                                for name, k, value in zip(input_names, graph.tensor_inputs, graph.input_values)]
-        self.output_bindings = [(name, _dtypes.numpy_type(dtype)) for name, (dtype, _) in zip(output_names, graph.outputs)]
-        self.cpu = ort.OrtDevice.make("cpu", 0)._get_c_device()
+        self.output_bindings = [(name, cpu if is_context else on_device, _dtypes.numpy_type(dtype))
+                                for name, (dtype, is_context) in zip(output_names, graph.outputs)]
+        self.stream = _cuda_stream(graph.device) if graph.device.type == "cuda" else None
 
     def __call__(self, args: list) -> list:
         if torch.is_inference_mode_enabled():  # Functions see normal tensors, as in an ORT session of their own
@@ -275,16 +318,30 @@ class GraphSession:
 
     def _run_session(self, inputs: list) -> list:
         binding = self.session.io_binding()
-        bind_input, bind_output, cpu = binding._iobinding.bind_input, binding._iobinding.bind_output, self.cpu
-        for name, k, numpy_type in self.input_bindings:
+        bind_input, bind_output = binding._iobinding.bind_input, binding._iobinding.bind_output
+        for name, k, device, numpy_type in self.input_bindings:
             t = inputs[k]
-            bind_input(name, cpu, numpy_type, t.shape, t.data_ptr() or _placeholder_address(t))
-        outputs = [torch.from_dlpack(_C.context_id_capsule()) if is_context else torch.empty(shape, dtype=dtype)
+            bind_input(name, device, numpy_type, t.shape, t.data_ptr() or _placeholder_address(t))
+        device = self.graph.device
+        outputs = [torch.from_dlpack(_C.context_id_capsule()) if is_context else torch.empty(shape, dtype=dtype,
+                                                                                              device=device)
                    for (dtype, is_context), shape in zip(self.graph.outputs, self.graph.output_shapes(inputs))]
-        for (name, numpy_type), t in zip(self.output_bindings, outputs):
-            bind_output(name, cpu, numpy_type, t.shape, t.data_ptr() or _placeholder_address(t))
+        for (name, ort_device, numpy_type), t in zip(self.output_bindings, outputs):
+            bind_output(name, ort_device, numpy_type, t.shape, t.data_ptr() or _placeholder_address(t))
+        if self.stream is None:
+            self.session.run_with_iobinding(binding)
+            return outputs
+        # ORT's stream starts after torch's work on the inputs and outputs; ORT's run ends once its
+        # stream is done (context ids read on the host), and torch's later work waits for it too.
+        current = torch.cuda.current_stream(device)
+        self.stream.wait_stream(current)
         self.session.run_with_iobinding(binding)
+        current.wait_stream(self.stream)
         return outputs
+
+
+def _ort_device(device: torch.device):
+    return ort.OrtDevice.make(device.type, device.index or 0)._get_c_device()
 
 
 _PLACEHOLDER = torch.empty(16, dtype=torch.uint8)
@@ -298,9 +355,10 @@ def _placeholder_address(t: torch.Tensor) -> int:
 
 def _export(gm: torch.fx.GraphModule, inputs: list, in_pytorch: set) -> onnx.ModelProto:
     """The graph as ONNX, its inputs' symbolic dims dynamic."""
-    # (with the traced strides: the graph may view an input in ways only its own layout allows)
+    # (with the traced strides: the graph may view an input in ways only its own layout allows;
+    # on its device, where the graph makes its own tensors)
     example = tuple(torch.empty_strided([size_hint(d) for d in t.shape], [size_hint(s) for s in t.stride()],
-                                        dtype=t.dtype).zero_() for t in inputs)
+                                        dtype=t.dtype, device=t.device).zero_() for t in inputs)
     dynamic = tuple({d: torch.export.Dim.AUTO for d, size in enumerate(t.shape) if not isinstance(size, int)}
                     for t in inputs)
     # (under dynamo, the fake mode of its trace is still current)

@@ -81,7 +81,8 @@ def _(inputs, call):
     traced = traced_call(call)
     outputs = [torch.empty(s, dtype=d, device=traced.device)
                for s, d in zip(traced.output_shapes, traced.call.output_dtypes)]
-    return [torch.empty((), dtype=torch.int64, device=traced.device), *outputs]
+    # The context id lives on the host whatever the device (PythonOpGrad reads it there).
+    return [torch.empty((), dtype=torch.int64), *outputs]
 
 
 @torch.library.custom_op("ortbridge::python_op_grad", mutates_args=())
