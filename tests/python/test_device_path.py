@@ -205,7 +205,7 @@ def test_a_cuda_graph_runs_on_ortbridges_stream_with_the_users_provider_options(
 
     monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
     monkeypatch.setattr(g, "_cuda_stream", lambda device: Stream)
-    ours = {"device_id": "1", "user_compute_stream": "1234"}
+    ours = {"device_id": "1", "has_user_compute_stream": "1", "user_compute_stream": "1234"}
     assert g._providers(None, torch.device("cuda:1")) == [("CUDAExecutionProvider", ours), ("CPUExecutionProvider", {})]
     given = ["CPUExecutionProvider", ("CUDAExecutionProvider", {"arena_extend_strategy": "kSameAsRequested"})]
     assert g._providers(given, torch.device("cuda:1")) == [

@@ -183,8 +183,11 @@ class Recorder:
         arguments = [x for x in torch.utils._pytree.tree_leaves((args, kwargs))
                      if isinstance(x, torch.Tensor) and not x.requires_grad and not x.is_inference()]
         states = {id(t): (t, t.detach().clone()) for t in (*model.buffers(), *arguments)}
+        # (the CUDA devices' generators too, where the model runs there)
+        cuda = sorted({t.device.index or 0 for t in (*model.parameters(), *model.buffers(), *arguments)
+                       if t.device.type == "cuda"})
         try:
-            with torch.random.fork_rng(devices=[]), grad, intercepted(None, self._apply):
+            with torch.random.fork_rng(devices=cuda), grad, intercepted(None, self._apply):
                 model(*args, **kwargs)
         finally:  # (also when a call cannot be recorded)
             with torch.no_grad():

@@ -165,7 +165,8 @@ def _providers(providers, device: torch.device) -> list:
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         raise RuntimeError(f"the module's tensors are on {device}, but this onnxruntime has no "
                            "CUDAExecutionProvider: install onnxruntime-gpu (pip install 'ortbridge[gpu]')")
-    ours = {"device_id": str(device.index or 0), "user_compute_stream": str(_cuda_stream(device).cuda_stream)}
+    ours = {"device_id": str(device.index or 0), "has_user_compute_stream": "1",
+            "user_compute_stream": str(_cuda_stream(device).cuda_stream)}
     given = [(p, {}) if isinstance(p, str) else tuple(p) for p in providers or ["CPUExecutionProvider"]]
     cuda = [(name, {**options, **ours}) for name, options in given if name == "CUDAExecutionProvider"]
     return (cuda or [("CUDAExecutionProvider", ours)]) + [p for p in given if p[0] != "CUDAExecutionProvider"]
