@@ -1,5 +1,6 @@
-"""What the benchmarks share: the Functions they run, session set-up, and the timer
-(median over repeats of N back-to-back calls, N calibrated per function)."""
+"""What the benchmarks share: the Functions they run, session set-up (CPU, or CUDA for
+`--device cuda`), and the timer (median over repeats of N back-to-back calls, N calibrated per
+function; on CUDA the device is synchronized before and after each repeat)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import gc
 import os
 import platform
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -63,8 +65,10 @@ def python_op_grad(func: type, ctx: str, g: str, gx: str, name: str):
         output_tensor_types=[TensorProto.FLOAT], output_tensor_ranks=[1], output_tensor_requires_grads=[1])
 
 
-def session(nodes: list, inputs: list, outputs: list, threads: int = 1) -> ort.InferenceSession:
-    """A sequential session with `threads` intra-op threads; inputs/outputs: (name, shape)."""
+def session(nodes: list, inputs: list, outputs: list, threads: int = 1, device: str = "cpu") -> ort.InferenceSession:
+    """A sequential session with `threads` intra-op threads; inputs/outputs: (name, shape). With
+    device "cuda" every node runs on the CUDA execution provider of device 0 (session creation
+    fails rather than placing one on the CPU)."""
     graph = helper.make_graph(nodes, "bench", [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
                               [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in outputs])
     model = helper.make_model(graph, opset_imports=OPSETS, ir_version=8).SerializeToString()
@@ -72,7 +76,38 @@ def session(nodes: list, inputs: list, outputs: list, threads: int = 1) -> ort.I
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    return ortbridge.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+    if device == "cpu":
+        return ortbridge.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    sess = ortbridge.InferenceSession(model, so, providers=[("CUDAExecutionProvider", {"device_id": "0"}),
+                                                             "CPUExecutionProvider"])
+    if sess.get_providers()[0] != "CUDAExecutionProvider":
+        raise RuntimeError(f"ONNX Runtime did not start its CUDA execution provider (providers: {sess.get_providers()})")
+    return sess
+
+
+def cuda_missing() -> str | None:
+    """What this machine lacks for `--device cuda`, or None."""
+    if not torch.cuda.is_available():
+        return "no CUDA GPU (torch.cuda.is_available() is False)"
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return "onnxruntime has no CUDAExecutionProvider (install ortbridge[gpu])"
+    return None
+
+
+def require_device(device: str, script: str) -> None:
+    """Exits with status 2 and the reason when `device` is cuda and this machine cannot run it."""
+    reason = cuda_missing() if device == "cuda" else None
+    if reason is not None:
+        print(f"{script}: --device cuda cannot run here: {reason}", file=sys.stderr)
+        sys.exit(2)
+
+
+def cuda_versions() -> str:
+    """The GPU and the CUDA versions (for --device cuda)."""
+    props = torch.cuda.get_device_properties(0)
+    return (f"GPU {props.name} ({props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor})  "
+            f"torch CUDA {torch.version.cuda}  onnxruntime {ort.get_device()} build")
 
 
 def versions() -> str:
@@ -80,39 +115,45 @@ def versions() -> str:
             f"onnx {onnx.__version__}  numpy {np.__version__}  cpus {os.cpu_count()}")
 
 
-def loop_time(fn, n: int) -> float:
-    """Seconds per call over n back-to-back calls."""
+def loop_time(fn, n: int, sync=None) -> float:
+    """Seconds per call over n back-to-back calls (`sync`, when given, runs before the clock starts
+    and before it stops: all work of the calls is inside the time, none of earlier work)."""
+    if sync is not None:
+        sync()
     t0 = time.perf_counter()
     for _ in range(n):
         fn()
+    if sync is not None:
+        sync()
     return (time.perf_counter() - t0) / n
 
 
-def calibrate(fn, target: float) -> int:
+def calibrate(fn, target: float, sync=None) -> int:
     """Iterations so that one repeat takes about `target` seconds."""
     n = 1
     while True:
-        elapsed = loop_time(fn, n) * n
+        elapsed = loop_time(fn, n, sync) * n
         if elapsed >= min(0.03, target / 4):
             break
         n *= 2
     return max(1, int(round(target * n / elapsed)))
 
 
-def medians(fns: list, repeats: int, target: float, warmup: int) -> list[float]:
+def medians(fns: list, repeats: int, target: float, warmup: int, sync=None) -> list[float]:
     """Median seconds per call of each function; the functions' repeats are interleaved, so that
-    drift on the machine touches them all alike. The garbage collector is off while timing."""
+    drift on the machine touches them all alike. The garbage collector is off while timing.
+    `sync` (torch.cuda.synchronize for CUDA work) brackets every timed loop."""
     for fn in fns:
         for _ in range(warmup):
             fn()
-    ns = [calibrate(fn, target) for fn in fns]
+    ns = [calibrate(fn, target, sync) for fn in fns]
     times: list[list[float]] = [[] for _ in fns]
     gc.collect()
     gc.disable()
     try:
         for _ in range(repeats):
             for fn, n, acc in zip(fns, ns, times):
-                acc.append(loop_time(fn, n))
+                acc.append(loop_time(fn, n, sync))
     finally:
         gc.enable()
     return [statistics.median(t) for t in times]

@@ -33,6 +33,17 @@ chosen so that a repeat lasts about --target seconds; ORT and eager repeats are 
 ORT runs with intra_op_num_threads=1 and inter_op_num_threads=1, sequential execution; torch
 uses torch.get_num_threads() (irrelevant for 16 elements). Before timing, every configuration
 checks that ORT's outputs equal eager's; at the end ortbridge.context_pool_size() must be 0.
+
+--device cuda
+-------------
+The same graphs with every node on ORT's CUDA execution provider (device 0): the Function gets
+CUDA tensors viewing ORT's device buffers and runs on ORT's compute stream, the kernel copies its
+result into ORT's buffer on that stream. ORT is driven through IOBinding on torch CUDA tensors
+(inputs and outputs bound in place, nothing crosses to the host but PythonOpGrad's 8-byte context
+id). session.run ends by synchronizing ORT's stream (ORT's default), so each eager call ends with
+torch.cuda.current_stream().synchronize(): both sides time work that has finished. Each timed
+loop is bracketed by torch.cuda.synchronize(). Without a GPU and onnxruntime-gpu's
+CUDAExecutionProvider, --device cuda exits with status 2 and says what is missing.
 """
 
 from __future__ import annotations
@@ -45,13 +56,13 @@ import numpy as np
 import torch
 
 import ortbridge
-from common import Clone, medians, python_op, python_op_grad, session, versions
+from common import Clone, cuda_versions, medians, python_op, python_op_grad, require_device, session, versions
 
 NUMEL = 16
 KS = (1, 16, 64)
 
 
-def build_session(k: int, training: bool, safe: bool = True):
+def build_session(k: int, training: bool, safe: bool = True, device: str = "cpu"):
     nodes, prev = [], "x"
     for i in range(k):
         out = "y" if i == k - 1 else f"y{i}"
@@ -66,7 +77,7 @@ def build_session(k: int, training: bool, safe: bool = True):
             grad = out
         inputs.append(("g", [NUMEL]))
         outputs.append(("gx", None))
-    return session(nodes, inputs, outputs)
+    return session(nodes, inputs, outputs, device=device)
 
 
 def make_calls(mode: str, k: int):
@@ -127,6 +138,64 @@ def make_calls(mode: str, k: int):
     return ort_call, eager_call, check
 
 
+def make_cuda_calls(mode: str, k: int):
+    """(ort_call, eager_call, check) for one configuration on the GPU: ORT through IOBinding on
+    torch CUDA tensors, eager on the same device; each call ends with its work finished."""
+    training = mode == "training"
+    sess = build_session(k, training, safe=mode != "forward", device="cuda")
+    x = torch.arange(NUMEL, dtype=torch.float32, device="cuda")
+    g = torch.linspace(-1, 1, NUMEL, device="cuda")
+    y, gx = torch.empty_like(x), torch.empty_like(x)
+    io = sess.io_binding()
+    bound = [("x", x, False), ("y", y, True)] + ([("g", g, False), ("gx", gx, True)] if training else [])
+    for name, t, output in bound:
+        (io.bind_output if output else io.bind_input)(name, "cuda", 0, np.float32, [NUMEL], t.data_ptr())
+    run = sess.run_with_iobinding
+    apply = Clone.apply
+    stream = torch.cuda.current_stream()
+
+    def ort_call():
+        run(io)  # returns once ORT's stream is done
+
+    if training:
+        xe = x.clone().requires_grad_()
+
+        def eager_call():
+            xe.grad = None
+            ye = xe
+            for _ in range(k):
+                ye = apply(ye)
+            ye.backward(g)
+            stream.synchronize()
+            return ye, xe.grad
+    else:
+        no_grad = torch.no_grad
+
+        def eager_call():
+            with no_grad():
+                ye = x
+                for _ in range(k):
+                    ye = apply(ye)
+            stream.synchronize()
+            return ye
+
+    def check():
+        torch.cuda.synchronize()  # ORT's stream does not wait for torch's: the bound inputs are ready
+        y.fill_(float("nan"))
+        gx.fill_(float("nan"))
+        torch.cuda.synchronize()
+        ort_call()
+        result = eager_call()
+        y_eager, gx_eager = result if training else (result, None)
+        assert torch.equal(y, y_eager.detach()), "CUDA output differs from eager"
+        assert torch.equal(y, x), "CUDA output differs from the input"
+        if training:
+            assert torch.equal(gx, gx_eager) and torch.equal(gx, g), "CUDA gradient differs from eager"
+        assert ortbridge.context_pool_size() == 0, f"{ortbridge.context_pool_size()} contexts left live"
+
+    return ort_call, eager_call, check
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=7, help="timed repeats per measurement (median reported)")
@@ -134,6 +203,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="smoke run: 3 repeats of ~0.03 s")
     p.add_argument("--modes", default="inference,forward,training",
                    help="comma-separated subset of inference,forward,training")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu (default) or cuda: the nodes on ORT's CUDA execution provider, eager on the GPU")
     args = p.parse_args(argv)
     repeats, target, warmup = args.repeats, args.target, 20
     if args.quick:
@@ -142,8 +213,15 @@ def main(argv=None) -> int:
     for m in modes:
         if m not in ("inference", "forward", "training"):
             p.error(f"unknown mode {m!r}")
+    require_device(args.device, "overhead.py")
+    on_cuda = args.device == "cuda"
+    calls, sync = (make_cuda_calls, torch.cuda.synchronize) if on_cuda else (make_calls, None)
 
     print(versions())
+    if on_cuda:
+        print(cuda_versions())
+        print("device cuda: ORT's CUDA execution provider through IOBinding; each call (ORT run, eager chain) "
+              "ends with its stream synchronized")
     print(f"torch threads {torch.get_num_threads()}  ORT intra/inter threads 1/1  "
           f"tensor {NUMEL} x float32  repeats {repeats}  ~{target:g} s/repeat  (times: median, microseconds)")
     print()
@@ -151,9 +229,9 @@ def main(argv=None) -> int:
     results: dict[tuple[str, int], tuple[float, float]] = {}
     for mode in modes:
         for k in KS:
-            ort_call, eager_call, check = make_calls(mode, k)
+            ort_call, eager_call, check = calls(mode, k)
             check()
-            t_ort, t_eager = medians([ort_call, eager_call], repeats, target, warmup)
+            t_ort, t_eager = medians([ort_call, eager_call], repeats, target, warmup, sync)
             results[(mode, k)] = (t_ort, t_eager)
             print(f"{mode:<10} {k:>3} {t_ort * 1e6:>12.1f} {t_eager * 1e6:>14.1f} {t_ort / t_eager:>7.2f}", flush=True)
             del ort_call, eager_call, check

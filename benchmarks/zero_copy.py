@@ -36,6 +36,20 @@ pays a page fault per 4 KiB page (partly so already at 4-16 MiB, where glibc tri
 
 torch and ORT intra-op threads are both set to --threads (default 1), so that every copy runs
 on one core, like the kernel's memcpy. Peak resident memory is printed at the end.
+
+--device cuda
+-------------
+The same on the GPU (device 0): the node runs on ORT's CUDA execution provider, the input bound to
+a torch CUDA tensor, the output bound to the cuda device (ORT allocates it from its CUDA arena);
+the Function gets a CUDA tensor viewing ORT's buffer and runs on ORT's stream, and the kernel
+copies its result into ORT's output on that stream (a device-to-device copy, the one copy of
+"view"). torch.clone and copy_ run on the same GPU. ORT's run ends by synchronizing its stream
+(ORT's default), so each torch call ends with torch.cuda.current_stream().synchronize() too, and
+each timed loop is bracketed by torch.cuda.synchronize(). For small tensors the fixed cost is
+the bridge plus a launch and a synchronization; for large ones, device memory bandwidth ("view
+GB/s" counts the bytes delivered, each read once and written once). Peak memory: host RSS and
+torch's CUDA allocator (ORT's CUDA arena is not in it). Without a GPU and onnxruntime-gpu's
+CUDAExecutionProvider, --device cuda exits with status 2 and says what is missing.
 """
 
 from __future__ import annotations
@@ -48,19 +62,19 @@ import sys
 import numpy as np
 import torch
 
-from common import Clone, View, medians, python_op, session, versions
+from common import Clone, View, cuda_versions, medians, python_op, require_device, session, versions
 
 SIZES = [4 ** k for k in range(6, 15)]  # bytes: 4 KiB .. 256 MiB
 
 
-def make_session(func: type, threads: int):
-    return session([python_op(func, "x", "y", "ctx", "op")], [("x", [None])], [("y", [None])], threads)
+def make_session(func: type, threads: int, device: str = "cpu"):
+    return session([python_op(func, "x", "y", "ctx", "op")], [("x", [None])], [("y", [None])], threads, device)
 
 
-def bound_call(sess, x: torch.Tensor):
+def bound_call(sess, x: torch.Tensor, device: str = "cpu"):
     io = sess.io_binding()
-    io.bind_input("x", "cpu", 0, np.float32, list(x.shape), x.data_ptr())
-    io.bind_output("y", "cpu")
+    io.bind_input("x", device, 0, np.float32, list(x.shape), x.data_ptr())
+    io.bind_output("y", device)
     run = sess.run_with_iobinding
     return io, (lambda: run(io))
 
@@ -80,6 +94,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-size", default="256M", help="largest tensor, e.g. 16M (default 256M)")
     p.add_argument("--threads", type=int, default=1, help="torch and ORT intra-op threads")
     p.add_argument("--quick", action="store_true", help="smoke run: 3 repeats of ~0.02 s, up to 64M")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu (default) or cuda: the node on ORT's CUDA execution provider, torch on the GPU")
     args = p.parse_args(argv)
     repeats, target, large_repeats, max_size = args.repeats, args.target, args.large_repeats, args.max_size
     if args.quick:
@@ -90,15 +106,23 @@ def main(argv=None) -> int:
     except ValueError:
         p.error(f"bad --max-size {max_size!r}")
     sizes = [s for s in SIZES if s <= max_bytes]
+    require_device(args.device, "zero_copy.py")
+    device = args.device
+    on_cuda = device == "cuda"
+    sync = torch.cuda.synchronize if on_cuda else None
 
     torch.set_num_threads(args.threads)
-    sess_clone = make_session(Clone, args.threads)
-    sess_view = make_session(View, args.threads)
+    sess_clone = make_session(Clone, args.threads, device)
+    sess_view = make_session(View, args.threads, device)
 
     print(versions())
+    if on_cuda:
+        print(cuda_versions())
     print(f"torch/ORT intra-op threads {args.threads}  repeats {repeats} "
           f"({large_repeats} from 64M)  ~{target:g} s/repeat  feed: IOBinding (input bound to a torch pointer, "
-          f"output ORT-allocated on cpu)")
+          f"output ORT-allocated on {device})")
+    if on_cuda:
+        print("each call (ORT run, torch.clone, copy_) ends with its stream synchronized")
     print("times: median microseconds per call; ratio = ORT / torch.clone")
     print()
     print(f"{'size':>5} {'ORT clone':>11} {'ORT view':>11} {'torch.clone':>12} {'copy_':>11} "
@@ -106,16 +130,31 @@ def main(argv=None) -> int:
 
     for nbytes in sizes:
         numel = nbytes // 4
-        x = torch.rand(numel, dtype=torch.float32)
+        x = torch.rand(numel, dtype=torch.float32, device=device)
         out = torch.empty_like(x)
-        io_c, ort_clone = bound_call(sess_clone, x)
-        io_v, ort_view = bound_call(sess_view, x)
+        io_c, ort_clone = bound_call(sess_clone, x, device)
+        io_v, ort_view = bound_call(sess_view, x, device)
 
-        def torch_clone():
-            return x.clone()
+        if on_cuda:
+            stream = torch.cuda.current_stream()
 
-        def copy_():
-            return out.copy_(x)
+            def torch_clone():
+                y = x.clone()
+                stream.synchronize()
+                return y
+
+            def copy_():
+                out.copy_(x)
+                stream.synchronize()
+                return out
+
+            torch.cuda.synchronize()  # ORT's stream does not wait for torch's: x is ready before any run
+        else:
+            def torch_clone():
+                return x.clone()
+
+            def copy_():
+                return out.copy_(x)
 
         # Correctness, once per size: both variants return x, in a buffer that is not x's.
         for io, call in ((io_c, ort_clone), (io_v, ort_view)):
@@ -123,13 +162,18 @@ def main(argv=None) -> int:
             y = io.get_outputs()[0]
             assert y.shape() == [numel], y.shape()
             assert y.data_ptr() != x.data_ptr(), "ORT output aliases the input"
-            assert np.array_equal(y.numpy(), x.numpy()), "ORT output differs from the input"
+            if on_cuda:
+                assert y.device_name().lower() == "cuda", y.device_name()
+                assert np.array_equal(io.copy_outputs_to_cpu()[0], x.cpu().numpy()), "ORT output differs from the input"
+            else:
+                assert np.array_equal(y.numpy(), x.numpy()), "ORT output differs from the input"
             del y
 
         fns = [ort_clone, ort_view, torch_clone, copy_]
         large = nbytes >= (64 << 20)
         # warm-up covers arena growth, page mapping and allocator caches
-        t_clone, t_view, t_tc, t_copy = medians(fns, large_repeats if large else repeats, target, 2 if large else 10)
+        t_clone, t_view, t_tc, t_copy = medians(fns, large_repeats if large else repeats, target, 2 if large else 10,
+                                                sync)
         print(f"{fmt_size(nbytes):>5} {t_clone * 1e6:>11.1f} {t_view * 1e6:>11.1f} {t_tc * 1e6:>12.1f} "
               f"{t_copy * 1e6:>11.1f} {t_clone / t_tc:>9.2f} {t_view / t_tc:>8.2f} {nbytes / t_view / 1e9:>10.2f}",
               flush=True)
@@ -139,6 +183,8 @@ def main(argv=None) -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     print()
     print(f"peak RSS {peak / 1024:.0f} MiB")
+    if on_cuda:
+        print(f"peak CUDA memory of torch's allocator {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB")
     return 0
 
 

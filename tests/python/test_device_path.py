@@ -146,18 +146,6 @@ def test_a_function_returning_another_device_is_refused():
     assert "is on cpu, but this kernel runs on cuda:1 (the CUDA execution provider)" in str(error.value)
 
 
-@pytest.mark.skipif("CUDAExecutionProvider" in ort.get_available_providers(),
-                    reason="checks the CPU onnxruntime's handling of a CUDA provider request")
-def test_a_session_asking_for_cuda_on_a_cpu_onnxruntime_runs_the_nodes_on_the_cpu():
-    node = python_op(Recorded, [T("x")], [(TP.FLOAT, 1), (TP.FLOAT, 0)], out_names=["y", "s"])
-    with pytest.warns(UserWarning, match="CUDAExecutionProvider"):
-        sess = ortbridge.InferenceSession(model([node], [value("x", shape=[None])], [value("y"), value("s")]),
-                                          providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
-    assert sess.get_providers() == ["CPUExecutionProvider"]
-    y, _ = sess.run(None, {"x": np.ones(2, dtype=np.float32)})
-    np.testing.assert_array_equal(y, [2, 2])
-
-
 # The training graphs' device logic (training/graph.py), with fake CUDA tensors.
 
 def _graph_with_inputs(*devices, context_id_on_cpu: bool = False) -> list:
