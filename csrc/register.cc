@@ -1,6 +1,7 @@
 // The entry point ONNX Runtime calls when the library is registered with a session:
 // SessionOptions.register_custom_ops_library(ortbridge.library_path()).
 #include <cstdio>
+#include <initializer_list>
 #include <mutex>
 #include <string>
 
@@ -14,8 +15,10 @@ namespace {
 
 const OrtApi* g_api = nullptr;
 
-// A session config entry under which the CPU kernels take the CUDA kernels' code path: tests run
-// it without a GPU.
+// Session config entries ("1") that choose the kernels a session gets: the CPU ones only (for
+// Functions that need host tensors even where the CUDA provider runs the rest of the graph), or
+// the CPU ones on the CUDA kernels' code path (how the tests run that path without a GPU).
+constexpr const char* kCpuOnlyKey = "ortbridge.cpu_kernels_only";
 constexpr const char* kCpuViaTorchKey = "ortbridge.cpu_kernels_via_torch";
 
 bool ConfigFlag(const OrtApi& api, const OrtSessionOptions* options, const char* key) {
@@ -32,20 +35,33 @@ bool ConfigFlag(const OrtApi& api, const OrtSessionOptions* options, const char*
   return !status && std::string(value) == "1";
 }
 
-// The kernels of both execution providers, in one domain (ORT keeps pointers to it, so it lives
+// One domain of kernels for the given backends, made once (ORT keeps pointers to it, so it lives
 // as long as the process); the error of making it, if any.
 struct Domain {
   OrtCustomOpDomain* domain = nullptr;
   OrtStatus* error = nullptr;
 
-  Domain(const OrtApi& api, Backend cpu) {
+  Domain(const OrtApi& api, std::initializer_list<Backend> backends) {
     error = api.CreateCustomOpDomain(kDomain, &domain);
-    for (Backend backend : {cpu, Backend::kCuda}) {
+    for (Backend backend : backends) {
       if (!error) error = api.CustomOpDomain_Add(domain, PythonOp(backend));
       if (!error) error = api.CustomOpDomain_Add(domain, PythonOpGrad(backend));
     }
   }
 };
+
+const Domain& DomainFor(const OrtApi& api, const OrtSessionOptions* options) {
+  if (ConfigFlag(api, options, kCpuViaTorchKey)) {
+    static const Domain via_torch(api, {Backend::kCpuViaTorch, Backend::kCuda});
+    return via_torch;
+  }
+  if (ConfigFlag(api, options, kCpuOnlyKey)) {
+    static const Domain cpu_only(api, {Backend::kCpu});
+    return cpu_only;
+  }
+  static const Domain both(api, {Backend::kCpu, Backend::kCuda});
+  return both;
+}
 
 }  // namespace
 
@@ -68,14 +84,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
     g_api = api;
     Ort::InitApi(api);
   });
-  static const Domain kernels(*api, Backend::kCpu);  // one domain serves every session
-  static const Domain* via_torch = nullptr;          // made on first use: tests only
-  static std::once_flag via_torch_once;
-  const Domain* chosen = &kernels;
-  if (ConfigFlag(*api, options, kCpuViaTorchKey)) {
-    std::call_once(via_torch_once, [&] { via_torch = new Domain(*api, Backend::kCpuViaTorch); });
-    chosen = via_torch;
-  }
-  if (chosen->error) return api->CreateStatus(ORT_FAIL, api->GetErrorMessage(chosen->error));
-  return api->AddCustomOpDomain(options, chosen->domain);
+  const Domain& kernels = DomainFor(*api, options);
+  if (kernels.error) return api->CreateStatus(ORT_FAIL, api->GetErrorMessage(kernels.error));
+  return api->AddCustomOpDomain(options, kernels.domain);
 }

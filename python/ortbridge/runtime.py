@@ -16,9 +16,12 @@ except ModuleNotFoundError as e:  # it comes from an extra: one of two packages 
 from . import _C
 
 _REGISTERED_KEY = "ortbridge.kernels_registered"
-# A session config entry ("1"), set before the kernels are registered: the CPU kernels then take
-# the CUDA kernels' code path (torch writes the outputs, inside a stream scope), which lets the
-# tests run that path on machines without a GPU.
+# Session config entries ("1"), set before the kernels are registered. CPU_KERNELS_ONLY: the
+# session gets no CUDA kernels, so ORT runs every node on the CPU, with copies around it, for
+# Functions that need host tensors (numpy, CPU-only libraries). CPU_KERNELS_VIA_TORCH: the CPU
+# kernels take the CUDA kernels' code path (torch writes the outputs, inside a stream scope),
+# which lets the tests run that path on machines without a GPU.
+CPU_KERNELS_ONLY = "ortbridge.cpu_kernels_only"
 CPU_KERNELS_VIA_TORCH = "ortbridge.cpu_kernels_via_torch"
 
 
@@ -27,17 +30,28 @@ def library_path() -> str:
     return _C.__file__
 
 
-def session_options(options: ort.SessionOptions | None = None) -> ort.SessionOptions:
-    """`options` (or new SessionOptions) with the ortbridge kernels registered, once."""
+def session_options(options: ort.SessionOptions | None = None, *, cuda_kernels: bool = True) -> ort.SessionOptions:
+    """`options` (or new SessionOptions) with the ortbridge kernels registered, once. With
+    `cuda_kernels=False` the nodes run on the CPU even in a session on the CUDA provider (ORT
+    copies their tensors to the host and back), for Functions that need host tensors."""
     options = options if options is not None else ort.SessionOptions()
-    try:
-        registered = options.get_session_config_entry(_REGISTERED_KEY) == "1"
-    except RuntimeError:  # ORT raises for a key it does not hold
-        registered = False
+    registered = _config_entry(options, _REGISTERED_KEY) == "1"
+    if not cuda_kernels and _config_entry(options, CPU_KERNELS_ONLY) != "1":
+        if registered:
+            raise ValueError("these SessionOptions have the ortbridge kernels registered with the CUDA ones: "
+                             "ask for cuda_kernels=False on new SessionOptions")
+        options.add_session_config_entry(CPU_KERNELS_ONLY, "1")
     if not registered:
         options.register_custom_ops_library(library_path())
         options.add_session_config_entry(_REGISTERED_KEY, "1")
     return options
+
+
+def _config_entry(options: ort.SessionOptions, key: str) -> str | None:
+    try:
+        return options.get_session_config_entry(key)
+    except RuntimeError:  # ORT raises for a key it does not hold
+        return None
 
 
 def _scoped(run, outputs_of):
@@ -71,7 +85,9 @@ def _returned(ids: list, outputs) -> set:
         if isinstance(value, ort.OrtValue):
             if not value.is_tensor() or value.data_type() != "tensor(int64)":
                 continue
-            value = value.numpy()  # (copied to the host from a device: a context id there counts too)
+            if value.device_name() != "cpu" and value.shape() != []:
+                continue  # (a context id on a device, 0-d, is copied to the host to be read)
+            value = value.numpy()
         if isinstance(value, np.ndarray) and value.dtype == np.int64:
             found.update(wanted[np.isin(wanted, value)].tolist())
     return found

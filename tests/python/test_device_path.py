@@ -80,6 +80,18 @@ def training_model(present=(True, True)) -> bytes:
     return model([fw, bw], [value("x", shape=[None]), *grads], [value("y"), value("s"), value("gx")])
 
 
+def test_sessions_may_leave_the_cuda_kernels_out():
+    node = python_op(Recorded, [T("x")], [(TP.FLOAT, 1), (TP.FLOAT, 0)], out_names=["y", "s"])
+    options = ortbridge.session_options(cuda_kernels=False)
+    assert options.get_session_config_entry(ortbridge.runtime.CPU_KERNELS_ONLY) == "1"
+    sess = ortbridge.InferenceSession(model([node], [value("x", shape=[None])], [value("y"), value("s")]), options,
+                                      providers=["CPUExecutionProvider"])
+    y, _ = sess.run(None, {"x": np.ones(2, dtype=np.float32)})
+    np.testing.assert_array_equal(y, [2, 2])
+    with pytest.raises(ValueError, match="registered with the CUDA ones"):
+        ortbridge.session_options(ortbridge.session_options(), cuda_kernels=False)
+
+
 def test_torch_writes_every_output_inside_the_stream_scope(monkeypatch):
     log = _Log(monkeypatch)
     Recorded.seen.clear()
@@ -172,7 +184,7 @@ def test_a_graph_runs_on_the_one_device_of_its_inputs():
     assert _device_of(_graph_with_inputs("cpu", "cpu")) == torch.device("cpu")
     assert _device_of(_graph_with_inputs("cuda:1", "cuda:1")) == torch.device("cuda:1")
     assert _device_of(_graph_with_inputs("cuda:0", context_id_on_cpu=True)) == torch.device("cuda:0")
-    with pytest.raises(NotImplementedError, match="inputs are on cpu and cuda:0; ortbridge runs a graph on one"):
+    with pytest.raises(NotImplementedError, match="tensors are on cpu and cuda:0; ortbridge runs a graph on one"):
         _device_of(_graph_with_inputs("cuda:0", "cpu"))
     with pytest.raises(NotImplementedError, match="on meta; ortbridge runs graphs on the CPU and on CUDA"):
         _device_of(_graph_with_inputs("meta"))

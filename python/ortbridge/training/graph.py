@@ -132,16 +132,17 @@ def default_session_options() -> ort.SessionOptions:
     return options
 
 
-def _device_of(placeholders: list) -> torch.device:
-    """The one device of a graph's tensor inputs, context ids aside (they live on the host)."""
-    devices = {p.meta["val"].device for p in placeholders if isinstance(p.meta["val"], torch.Tensor)
-               and not any(u.target is _PYTHON_OP_GRAD and u.args[0] is p for u in p.users)}
+def _device_of(values: list) -> torch.device:
+    """The one device of a graph's tensor inputs and outputs (nodes), context ids aside: they
+    live on the host."""
+    devices = {v.meta["val"].device for v in values if isinstance(v.meta.get("val"), torch.Tensor)
+               and not _is_context_id(v) and not any(u.target is _PYTHON_OP_GRAD and u.args[0] is v for u in v.users)}
     if len(devices) > 1:
-        raise NotImplementedError(f"the graph's tensor inputs are on {' and '.join(sorted(map(str, devices)))}; "
+        raise NotImplementedError(f"the graph's tensors are on {' and '.join(sorted(map(str, devices)))}; "
                                   "ortbridge runs a graph on one device: move the module and its arguments there")
     device = devices.pop() if devices else torch.device("cpu")
     if device.type not in ("cpu", "cuda"):
-        raise NotImplementedError(f"the graph's tensor inputs are on {device}; ortbridge runs graphs on the CPU "
+        raise NotImplementedError(f"the graph's tensors are on {device}; ortbridge runs graphs on the CPU "
                                   "and on CUDA devices")
     return device
 
@@ -189,7 +190,6 @@ class OnnxGraph:
         self.module = gm = torch.fx.GraphModule(gm, gm.graph)
         graph = gm.graph
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-        self.device = _device_of(placeholders)
         sizes = _Sizes(graph, placeholders)
         output = graph.output_node()
         computed: list[torch.fx.Node] = []
@@ -220,6 +220,7 @@ class OnnxGraph:
                         ids[0].meta["val"] = node.meta["val"][0]
                 if ids[0] not in computed:
                     computed.append(ids[0])
+        self.device = _device_of(placeholders + computed)
         self.outputs = [(n.meta["val"].dtype, _is_context_id(n)) for n in computed]  # (dtype, is a context id)
         output_shapes = [list(n.meta["val"].shape) for n in computed]
         self.output_shapes = sizes.at_run_time(output_shapes) or (lambda args, shapes=output_shapes: shapes)
@@ -334,10 +335,12 @@ class GraphSession:
             return outputs
         # ORT's stream starts after torch's work on the inputs and outputs; ORT's run ends once its
         # stream is done (context ids read on the host), and torch's later work waits for it too.
-        current = torch.cuda.current_stream(device)
-        self.stream.wait_stream(current)
-        self.session.run_with_iobinding(binding)
-        current.wait_stream(self.stream)
+        # (ORT makes its device current on this thread: the caller's is put back.)
+        with torch.cuda.device(device):
+            current = torch.cuda.current_stream(device)
+            self.stream.wait_stream(current)
+            self.session.run_with_iobinding(binding)
+            current.wait_stream(self.stream)
         return outputs
 
 
@@ -345,13 +348,16 @@ def _ort_device(device: torch.device):
     return ort.OrtDevice.make(device.type, device.index or 0)._get_c_device()
 
 
-_PLACEHOLDER = torch.empty(16, dtype=torch.uint8)
+_PLACEHOLDERS: dict = {}  # device -> a small tensor there
 
 
 def _placeholder_address(t: torch.Tensor) -> int:
-    """An address for a tensor without elements (whose own is 0, which ORT refuses to bind)."""
+    """An address on t's device for a tensor without elements (whose own is 0, which ORT refuses
+    to bind)."""
     assert t.numel() == 0, "a tensor with elements at address 0"
-    return _PLACEHOLDER.data_ptr()
+    if t.device not in _PLACEHOLDERS:
+        _PLACEHOLDERS[t.device] = torch.empty(16, dtype=torch.uint8, device=t.device)
+    return _PLACEHOLDERS[t.device].data_ptr()
 
 
 def _export(gm: torch.fx.GraphModule, inputs: list, in_pytorch: set) -> onnx.ModelProto:
