@@ -2,16 +2,15 @@
 an eager deep copy: timm CNNs whose activations are timm's memory-efficient autograd Functions,
 a timm ViT, a Hugging Face BERT from a tiny config, activation checkpointing through
 torch.utils.checkpoint's reentrant Function. Each model is trained three optimizer steps on the
-same inputs; after every step outputs, loss, every parameter gradient (and input gradient) are
-compared, and parameters and buffers after training. No weights are loaded: every model is built
-from its config (pretrained=False), nothing is downloaded.
+same inputs (side_by_side.train_side_by_side); after every step outputs, loss, every parameter
+gradient (and input gradient) are compared, and parameters and buffers after training. No
+weights are loaded: every model is built from its config (pretrained=False), nothing is downloaded.
 
 timm and transformers are test-only dependencies; scripts/setup.sh installs them (see README,
 "Test dependencies")."""
 
 from __future__ import annotations
 
-import copy
 import os
 import pathlib
 import sys
@@ -25,6 +24,7 @@ import torch
 from torch.utils.checkpoint import CheckpointFunction, checkpoint
 
 import ortbridge
+from side_by_side import tensors_of, train_side_by_side
 
 with warnings.catch_warnings():
     # timm imports torchvision, whose C extensions are not loaded against CPU torch (README).
@@ -39,22 +39,8 @@ with warnings.catch_warnings():
 nn = torch.nn
 F = torch.nn.functional
 
-RTOL, ATOL = 1e-4, 1e-5
-
 
 # --- helpers ----------------------------------------------------------------------------------
-
-def _leaves(out) -> list:
-    return [x for x in torch.utils._pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
-
-
-def _close(actual, expected, what: str, rtol: float, atol: float):
-    a, e = _leaves(actual), _leaves(expected)
-    assert len(a) == len(e), f"{what}: {len(a)} tensors, eager has {len(e)}"
-    for x, y in zip(a, e):
-        assert x.dtype == y.dtype and x.shape == y.shape, f"{what}: {x.dtype}{list(x.shape)} vs {y.dtype}{list(y.shape)}"
-        torch.testing.assert_close(x.detach(), y.detach(), rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
-
 
 def _images(batch: int = 8, size: int = 64):
     """batch(step) -> ((images,), {}): images that need a gradient, so the first layer's input
@@ -77,63 +63,8 @@ def _ce_loss(out, step):
 
 def _weighted_sum(out, step):
     """A loss that weighs every element of every float output differently."""
-    floats = [o for o in _leaves(out) if o.is_floating_point() and o.requires_grad]
+    floats = [o for o in tensors_of(out) if o.is_floating_point() and o.requires_grad]
     return sum((o * torch.cos(torch.arange(o.numel(), dtype=o.dtype) + step).reshape(o.shape)).sum() for o in floats)
-
-
-def _inner(wrapped):
-    return getattr(wrapped, "module", getattr(wrapped, "_orig_mod", wrapped))
-
-
-def train_side_by_side(model: nn.Module, batch, loss_fn, *, steps: int = 3, optimizer: str = "sgd",
-                       lr: float | None = None, wrap=None, rtol: float = RTOL, atol: float = ATOL):
-    """Trains `model` (eager) and `wrap(deepcopy(model))` (OrtModule by default) on the same
-    inputs; batch(step) -> (args, kwargs), loss_fn(outputs, step) -> loss. After each step:
-    outputs, loss, input gradients, every parameter's gradient equal, no context left; at the
-    end every parameter and buffer. Returns the wrapped model."""
-    eager = model
-    wrapped = (wrap or ortbridge.OrtModule)(copy.deepcopy(model))
-    inner = _inner(wrapped)
-
-    def make_opt(m):
-        if optimizer == "sgd":
-            return torch.optim.SGD(m.parameters(), lr=lr or 0.01, momentum=0.9)
-        # AdamW divides each gradient by its own size: a gradient that is zero in exact arithmetic
-        # (attention's key bias, a batch-norm bias feeding another batch norm) is rounding noise
-        # in both runs, which it turns into steps of random sign. So SGD for most models, AdamW
-        # with eps 1e-6 (not 1e-8, which scales ~1e-9 noise up to lr/10) where that stays small.
-        return torch.optim.AdamW(m.parameters(), lr=lr or 1e-3, weight_decay=0.01, eps=1e-6)
-
-    opts = [make_opt(eager), make_opt(inner)]
-    for step in range(steps):
-        args, kwargs = batch(step)
-        results = []
-        for m in (eager, wrapped):
-            a, k = copy.deepcopy(args), copy.deepcopy(kwargs)
-            out = m(*a, **k)
-            loss = loss_fn(out, step)
-            loss.backward()
-            results.append((out, loss, a))
-        assert ortbridge.context_pool_size() == 0, f"step {step}: contexts left after backward"
-        (out_e, loss_e, a_e), (out_w, loss_w, a_w) = results
-        _close(out_w, out_e, f"step {step}: outputs", rtol, atol)
-        _close(loss_w, loss_e, f"step {step}: loss", rtol, atol)
-        for i, (x, y) in enumerate(zip(_leaves(a_w), _leaves(a_e))):
-            if y.requires_grad:
-                assert x.grad is not None, f"step {step}: input {i} has no gradient"
-                _close(x.grad, y.grad, f"step {step}: input {i} gradient", rtol, atol)
-        for (name, p), q in zip(eager.named_parameters(), inner.parameters()):
-            assert (q.grad is None) == (p.grad is None), f"step {step}: {name}.grad is {q.grad} (eager {p.grad})"
-            if p.grad is not None:
-                _close(q.grad, p.grad, f"step {step}: {name}.grad", rtol, atol)
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-    for (name, p), q in zip(eager.named_parameters(), inner.parameters()):
-        _close(q, p, f"parameter {name} after training", rtol, atol)
-    for (name, b), c in zip(eager.named_buffers(), inner.buffers()):
-        _close(c, b, f"buffer {name} after training", rtol, atol)
-    return wrapped
 
 
 def python_op_functions(wrapped: ortbridge.OrtModule) -> set:

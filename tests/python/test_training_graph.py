@@ -10,21 +10,30 @@ from conftest import NewStyle, T, model, python_op, python_op_grad, session, val
 
 @ortbridge.register
 class MulSum(torch.autograd.Function):
-    """y = x * w * alpha, s = sum(x + w): two outputs, a float constant between tensors."""
+    """y = x * w * alpha, s = sum(x + w): two outputs, a float constant between tensors. Each of
+    `observers` is called with x in forward and with gy in backward (test_cuda.py records there
+    which device and stream the Function runs on)."""
+    observers: list = []
 
     @staticmethod
     def forward(ctx, x, alpha, w):
+        for observe in MulSum.observers:
+            observe(x)
         ctx.save_for_backward(x, w)
         ctx.alpha = alpha
         return x * w * alpha, (x + w).sum()
 
     @staticmethod
     def backward(ctx, gy, gs):
+        for observe in MulSum.observers:
+            observe(gy)
         x, w = ctx.saved_tensors
         return gy * w * ctx.alpha + gs, None, gy * x * ctx.alpha + gs
 
 
-def mulsum_session(present=(True, True), wanted=(True, True)):
+def mulsum_model(present=(True, True), wanted=(True, True)) -> bytes:
+    """MulSum's forward and backward in one graph: inputs x, w (any length), gy, gs (those
+    `present`); outputs y, s, gx, gw (the gradients `wanted`)."""
     fw = python_op(MulSum, [T("x", requires_grad=True), 0.3, T("w", requires_grad=True)],
                    [(TP.FLOAT, 1), (TP.FLOAT, 0)], out_names=["y", "s"], training=True)
     bw = python_op_grad(MulSum, "dcd", [("gy" if present[0] else None, TP.FLOAT, 1),
@@ -33,14 +42,19 @@ def mulsum_session(present=(True, True), wanted=(True, True)):
     inputs = [value("x", shape=[None]), value("w", shape=[None])]
     inputs += [value(n, shape=s) for n, s, p in (("gy", [None], present[0]), ("gs", [], present[1])) if p]
     outputs = [value("y"), value("s")] + [value(n) for n, w in (("gx", wanted[0]), ("gw", wanted[1])) if w]
-    return session(model([fw, bw], inputs, outputs))
+    return model([fw, bw], inputs, outputs)
 
 
-def eager_mulsum(x, w, gy, gs):
-    xt, wt = torch.from_numpy(x).requires_grad_(), torch.from_numpy(w).requires_grad_()
+def mulsum_session(present=(True, True), wanted=(True, True)):
+    return session(mulsum_model(present, wanted))
+
+
+def eager_mulsum(x, w, gy, gs, device: str = "cpu"):
+    """MulSum run by torch.autograd on `device`: y, s, gx, gw as numpy arrays."""
+    xt, wt = (torch.from_numpy(a).to(device).requires_grad_() for a in (x, w))
     y, s = MulSum.apply(xt, 0.3, wt)
-    gx, gw = torch.autograd.grad([y, s], [xt, wt], [torch.from_numpy(gy), torch.from_numpy(gs)])
-    return y.detach().numpy(), s.detach().numpy(), gx.numpy(), gw.numpy()
+    gx, gw = torch.autograd.grad([y, s], [xt, wt], [torch.from_numpy(g).to(device) for g in (gy, gs)])
+    return [t.detach().cpu().numpy() for t in (y, s, gx, gw)]
 
 
 def test_forward_and_backward_match_torch_autograd_exactly():
@@ -150,16 +164,23 @@ def test_backward_never_runs_when_no_output_needs_a_gradient():
     np.testing.assert_array_equal(gx, np.zeros(2, np.float32))
 
 
-def test_context_crosses_sessions_until_released():
-    # A forward-only session hands out the context id; a backward-only session consumes it.
+def cross_session_models() -> tuple[bytes, bytes]:
+    """(forward, backward): MulSum's forward alone (inputs x, w of length 3; outputs ctx, the
+    context id, y, s) and its backward alone (inputs ctx, gy, gs; outputs gx, gw)."""
     fw = python_op(MulSum, [T("x", requires_grad=True), 0.3, T("w", requires_grad=True)],
                    [(TP.FLOAT, 1), (TP.FLOAT, 0)], out_names=["y", "s"], training=True)
-    forward = session(model([fw], [value("x", shape=[3]), value("w", shape=[3])],
-                            [value("ctx", TP.INT64), value("y"), value("s")]))
+    forward = model([fw], [value("x", shape=[3]), value("w", shape=[3])],
+                    [value("ctx", TP.INT64), value("y"), value("s")])
     bw = python_op_grad(MulSum, "dcd", [("gy", TP.FLOAT, 1), ("gs", TP.FLOAT, 0)],
                         [("gx", TP.FLOAT, 1), ("gw", TP.FLOAT, 1)])
-    backward = session(model([bw], [value("ctx", TP.INT64, []), value("gy", shape=[3]), value("gs", shape=[])],
-                             [value("gx"), value("gw")]))
+    backward = model([bw], [value("ctx", TP.INT64, []), value("gy", shape=[3]), value("gs", shape=[])],
+                     [value("gx"), value("gw")])
+    return forward, backward
+
+
+def test_context_crosses_sessions_until_released():
+    # A forward-only session hands out the context id; a backward-only session consumes it.
+    forward, backward = (session(m) for m in cross_session_models())
     x, w = np.ones(3, np.float32), np.arange(3, dtype=np.float32)
     ctx1, *_ = forward.run(None, {"x": x, "w": w})
     ctx2, *_ = forward.run(None, {"x": x, "w": w})
