@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "attribute_map.h"
 #include "attributes.h"
 #include "context_id.h"
 #include "custom_op.h"
@@ -105,6 +106,25 @@ PYBIND11_MODULE(_C, m) {
         return kernels;
       },
       "(op, execution provider, takes the device path, memory types of inputs 0 and 1) of every kernel.");
+  m.def(
+      "parse_forward",
+      [](std::map<std::string, int64_t> ints, std::map<std::string, std::string> strings,
+         std::map<std::string, std::vector<int64_t>> int_lists, std::map<std::string, std::vector<float>> float_lists,
+         size_t input_count, size_t output_count) {
+        ortbridge::MapAttributes attributes;
+        attributes.ints = std::move(ints);
+        attributes.strings = std::move(strings);
+        attributes.int_lists = std::move(int_lists);
+        attributes.float_lists = std::move(float_lists);
+        try {
+          return ortbridge::ParseForward(attributes, input_count, output_count);
+        } catch (const ortbridge::AttributeError& e) {
+          throw py::value_error(e.what());
+        }
+      },
+      py::arg("ints"), py::arg("strings"), py::arg("int_lists"), py::arg("float_lists"), py::arg("input_count"),
+      py::arg("output_count"),
+      "A PythonOp node's attributes (by ONNX attribute type), validated as the kernel does it: its ForwardLayout.");
   m.def("_begin_run", &ortbridge::BeginRunScope);
   m.def("_end_run", &ortbridge::EndRunScope, py::arg("failed"),
         "Closes this thread's run scope; returns the ids of the contexts the run left live that no "

@@ -1,6 +1,7 @@
 """Training with ONNX Runtime running the forward and backward graphs: OrtModule and the
-torch.compile backend."""
+torch.compile backend, and OnnxModule / OrtGradientForwardBackward for ONNX models."""
 
 from .module import OrtModule
+from .onnx_module import OnnxModule, OrtGradientForwardBackward
 
-__all__ = ["OrtModule"]
+__all__ = ["OnnxModule", "OrtGradientForwardBackward", "OrtModule"]

@@ -1,5 +1,5 @@
-// A map-backed AttributeSource, shared by the parser's unit tests (test_attributes.cc) and its
-// fuzzer (tests/fuzz/attributes_fuzzer.cc).
+// A map-backed AttributeSource: attributes of a node read outside ONNX Runtime (ortbridge._C's
+// parse_forward, for ONNX graphs run as torch modules), and in the parser's unit tests and fuzzer.
 #pragma once
 
 #include "attributes.h"
