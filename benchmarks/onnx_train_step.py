@@ -5,7 +5,8 @@ What is measured
 ----------------
 An MLP (8 -> 256 -> 256 -> 10, ReLU) and a small CNN (two 3x3 convolutions with ReLU and max
 pooling, global average pooling, a linear head) are exported with ortbridge.export, loaded back
-as OnnxModule (every initializer a Parameter), and trained with AdamW on a fixed batch: the step
+as OnnxModule (every initializer a Parameter; the backward graph from onnxruntime-training's
+builder where that is the installed onnxruntime, else from torch: the last column says), and trained with AdamW on a fixed batch: the step
 is forward, loss, backward and the optimizer step. Eager runs the same step on the torch original.
 Before timing, the first steps' losses of both must agree. The table gives each step's median
 time (ms) over --repeats interleaved repeats and the ratio OnnxModule / eager.
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 
 import ortbridge
 from common import medians, versions
+from train_step import trainer
 
 nn = torch.nn
 
@@ -37,19 +39,6 @@ def cnn():
                          nn.Linear(32, 10))
 
 
-def step_of(model, x, y):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def step():
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    return step
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=15)
@@ -60,21 +49,23 @@ def main() -> int:
     cases = [("MLP", mlp, (64, 8)), ("CNN", cnn, (16, 3, 32, 32))]
     print(versions())
     print(f"torch threads {torch.get_num_threads()}; median of {repeats} repeats\n")
-    print(f"{'model':>5} {'input':>16} {'eager ms':>9} {'OnnxModule ms':>14} {'ratio':>6}")
+    print(f"{'model':>5} {'input':>16} {'eager ms':>9} {'OnnxModule ms':>14} {'ratio':>6}  gradient builder")
     for name, make, shape in cases:
         torch.manual_seed(0)
         model = make()
         x, y = torch.randn(*shape), torch.randint(0, 10, (shape[0],))
         f = io.BytesIO()
         ortbridge.export(copy.deepcopy(model), (x,), f)
-        steps = [step_of(model, x, y), step_of(ortbridge.OnnxModule(f.getvalue()), x, y)]
+        module = ortbridge.OnnxModule(f.getvalue())
+        steps = [trainer(m, x, y, F.cross_entropy) for m in (model, module)]
         first = [s() for s in steps]  # (captures OnnxModule's graphs)
         if not torch.allclose(first[1], first[0], rtol=1e-4, atol=1e-6):
             print(f"{name}: OnnxModule's loss {first[1].item()} differs from eager's {first[0].item()}")
             return 1
         eager, onnx_module = (t * 1e3 for t in medians(steps, repeats, target, warmup=3))
         size = " x ".join(map(str, shape))
-        print(f"{name:>5} {size:>16} {eager:9.3f} {onnx_module:14.3f} {onnx_module / eager:6.2f}")
+        print(f"{name:>5} {size:>16} {eager:9.3f} {onnx_module:14.3f} {onnx_module / eager:6.2f}  "
+              f"{module.forward_backward.gradient_builder}")
     assert ortbridge.context_pool_size() == 0
     return 0
 
