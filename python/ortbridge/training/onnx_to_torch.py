@@ -393,10 +393,9 @@ class OnnxGraphModule(torch.nn.Module):
         for index, node in enumerate(self.nodes):
             try:
                 self._run(node, values, host)
-            except ConversionError:
-                raise
             except Exception as e:
-                raise ConversionError(f"{_node_label(node, index)}: {type(e).__name__}: {e}") from e
+                e.add_note(f"(ortbridge: in ONNX {_node_label(node, index)}, run as torch operators)")
+                raise
         outputs = tuple(values[name] for name in self.output_names)
         return outputs[0] if len(outputs) == 1 else outputs
 
