@@ -300,9 +300,16 @@ def _one_node_model(node: onnx.NodeProto, **graph_extra) -> bytes:
 def test_an_operator_without_a_gradient_is_named():
     with pytest.raises(ConversionError, match=r"node 0 \('odd', other::Frobnicate\) has no torch form here"):
         ortbridge.OnnxModule(_one_node_model(helper.make_node("Frobnicate", ["x"], ["y"], domain="other",
-                                                              name="odd")))
+                                                              name="odd")), gradient_builder="torch")
     with pytest.raises(ConversionError, match=r"node 0 \(Det\) has no torch form"):
-        ortbridge.OnnxModule(_one_node_model(helper.make_node("Det", ["x"], ["y"])))
+        ortbridge.OnnxModule(_one_node_model(helper.make_node("Det", ["x"], ["y"])), gradient_builder="torch")
+
+
+@pytest.mark.skipif(not hasattr(ort.capi._pybind_state, "OrtModuleGraphBuilder"),
+                    reason="needs onnxruntime-training (scripts/test.sh runs this file with it)")
+def test_onnxruntime_training_names_an_operator_it_cannot_build():
+    with pytest.raises(RuntimeError, match=r"gradient builder refused the graph: .*other:Frobnicate"):
+        ortbridge.OnnxModule(_one_node_model(helper.make_node("Frobnicate", ["x"], ["y"], domain="other")))
 
 
 def test_subgraphs_are_refused_with_the_reason():
@@ -311,7 +318,7 @@ def test_subgraphs_are_refused_with_the_reason():
     node = helper.make_node("If", ["c"], ["y"], name="choice", then_branch=branch, else_branch=branch)
     c = onnx.numpy_helper.from_array(np.array(True), "c")
     with pytest.raises(ConversionError, match=r"node 0 \('choice', If\) holds a subgraph"):
-        ortbridge.OnnxModule(_one_node_model(node, initializer=[c]))
+        ortbridge.OnnxModule(_one_node_model(node, initializer=[c]), gradient_builder="torch")
 
 
 def test_a_value_ort_computes_from_tensors_cannot_be_a_shape():

@@ -69,9 +69,11 @@ class OrtGradientForwardBackward:
         self.weights_to_train = (float_initializers(self.onnx_model) if weights_to_train is None
                                  else list(weights_to_train))
         self.gradient_builder = _builder(gradient_builder)
-        # (the torch form also checks the names and refuses what it cannot run, naming the node)
+        # (the torch form checks the names, and on its own path refuses what it cannot run, naming the node;
+        # ORT's builder takes every operator it has a gradient for)
         graph = OnnxGraphModule(self.onnx_model, weights_to_train=[], input_names=input_names,
-                                output_names=output_names, weights_as_inputs=self.weights_to_train)
+                                output_names=output_names, weights_as_inputs=self.weights_to_train,
+                                check_nodes=self.gradient_builder == "torch")
         self.input_names = graph.input_names[:len(graph.input_names) - len(self.weights_to_train)]
         self.output_names = list(graph.output_names)
         if self.gradient_builder == "torch":

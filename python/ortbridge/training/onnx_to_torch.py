@@ -331,11 +331,12 @@ class OnnxGraphModule(torch.nn.Module):
     its results the values named in `output_names` (default: the graph outputs).
     `weights_to_train` (default: every floating-point initializer not taken as an input) are
     Parameters, registered under safe attribute names (`parameter_names` maps each to its ONNX
-    name); other initializers are constants."""
+    name); other initializers are constants. `check_nodes=False` leaves out the check that every
+    node has a torch form (for a graph only named, not run, here)."""
 
     def __init__(self, model: onnx.ModelProto, weights_to_train: list[str] | None = None, *,
                  input_names: list[str] | None = None, output_names: list[str] | None = None,
-                 weights_as_inputs: list[str] = ()):
+                 weights_as_inputs: list[str] = (), check_nodes: bool = True):
         super().__init__()
         graph = model.graph
         initializers = {i.name: i for i in graph.initializer}
@@ -366,7 +367,7 @@ class OnnxGraphModule(torch.nn.Module):
         if missing:
             raise ValueError(f"output_names {missing} name no value of the graph")
         self.nodes = list(graph.node)
-        for index, node in enumerate(self.nodes):
+        for index, node in enumerate(self.nodes if check_nodes else ()):
             self._check(node, index)
 
     def _check(self, node: onnx.NodeProto, index: int) -> None:

@@ -116,8 +116,12 @@ class TrainingGraph:
         config.input_names_require_grad = [n for n, r in zip(input_names, self.requires_grad) if r]
         config.build_gradient_graph = True
         builder = _ort_c.OrtModuleGraphBuilder()
-        builder.initialize(prepared.SerializeToString(), config)
-        builder.build(_ort_c.TrainingGraphTransformerConfiguration())
+        try:
+            builder.initialize(prepared.SerializeToString(), config)
+            builder.build(_ort_c.TrainingGraphTransformerConfiguration())
+        except RuntimeError as e:  # (ORT's text starts with its source location: its own words are last)
+            raise RuntimeError("onnxruntime-training's gradient builder refused the graph: "
+                               + str(e).split("[ONNXRuntimeError]")[-1].strip(" :")) from e
         self.info = builder.get_graph_info()
         self.gradient_model = _as_ortbridge(builder.get_gradient_model(), set_aside)
         options = runtime.session_options(sess_options)
