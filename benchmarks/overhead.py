@@ -9,7 +9,7 @@ ORT kernel dispatch, GIL acquisition, DLPack in and out, Function.apply, and the
 result into ORT's output buffer. The reference is the same chain of Function.apply calls in
 eager PyTorch, timed in the same process and run.
 
-Three modes:
+Three graph modes (and a module benchmark, --modes ortmodule, below):
   inference  training_mode=0; eager runs the chain under torch.no_grad().
   forward    training_mode=0 and safe_run_mode=0: the node calls the Function's forward
              directly, without Function.apply (ORT's opt-in fast path for inference). Eager as
@@ -44,6 +44,31 @@ id). session.run ends by synchronizing ORT's stream (ORT's default), so each eag
 torch.cuda.current_stream().synchronize(): both sides time work that has finished. Each timed
 loop is bracketed by torch.cuda.synchronize(). Without a GPU and onnxruntime-gpu's
 CUDAExecutionProvider, --device cuda exits with status 2 and says what is missing.
+
+--modes ortmodule
+-----------------
+The same Function, called by a module instead of a hand-built graph: forward is a chain of K
+Clone.apply calls on a 16-element float32 input that requires grad, so backward runs through
+all K calls. K = 1 and 64 by default (--ortmodule-ks). Three variants of the module, their
+repeats interleaved:
+  eager      the plain module.
+  OrtModule  ortbridge.OrtModule(module) with its default options (torch's thread count for
+             ONNX Runtime, threads that sleep between runs): the K calls are K PythonOp nodes
+             in the forward graph and K PythonOpGrad nodes in the backward graph, and a step
+             also pays OrtModule.forward, AOTAutograd's runtime wrappers and the IOBinding of
+             each session run.
+  compile    torch.compile(module, backend="ortbridge"): dynamo inlines the traceable Function,
+             so ONNX Runtime runs K clone operators and no Function is called. Its per-call
+             column is the cost of one inlined clone, not of a Function call (--no-compile
+             leaves it out).
+Two step kinds: train (x.grad = None; y = module(x); y.sum().backward()) and eval (the module
+in eval mode, y = module(x) under torch.no_grad(): the inference graph, no autograd context).
+Before timing, each wrapped variant's output (and in train the input's gradient) must equal
+eager's, and no context may be live after the step; otherwise the script exits with status 1.
+The first table gives the median time of one step per variant and K, and the ratio to eager.
+Then per Function call = (t(K=64) - t(K=1)) / 63 for each variant with OrtModule / eager, and
+the fixed cost of a step over eager, t(K=1) - t_eager(K=1), each next to its goal: per call at
+most 1.25 x eager's Function.apply (stretch 1.1 x), fixed cost at most 100 us. CPU only.
 """
 
 from __future__ import annotations
@@ -60,6 +85,10 @@ from common import Clone, cuda_versions, medians, python_op, python_op_grad, req
 
 NUMEL = 16
 KS = (1, 16, 64)
+GRAPH_MODES = ("inference", "forward", "training")
+MODES = (*GRAPH_MODES, "ortmodule")
+ORTMODULE_KS = (1, 64)
+PER_CALL_GOAL, PER_CALL_STRETCH, FIXED_GOAL_US = 1.25, 1.1, 100.0
 
 
 def build_session(k: int, training: bool, safe: bool = True, device: str = "cpu"):
@@ -196,23 +225,172 @@ def make_cuda_calls(mode: str, k: int):
     return ort_call, eager_call, check
 
 
+class CloneChain(torch.nn.Module):
+    """K identity-like Function calls: forward clones K times, backward passes the gradient
+    back through all K."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.k = k
+
+    def forward(self, x):
+        for _ in range(self.k):
+            x = Clone.apply(x)
+        return x
+
+
+def module_step(model, x: torch.Tensor, train: bool):
+    """One step of `model` on x: (y, x.grad) after forward and backward, or y under no_grad."""
+    if train:
+        def step():
+            x.grad = None
+            y = model(x)
+            y.sum().backward()
+            return y, x.grad
+    else:
+        no_grad = torch.no_grad
+
+        def step():
+            with no_grad():
+                return model(x), None
+    return step
+
+
+def make_module_steps(train: bool, k: int, compiled: bool):
+    """({variant: step}, check) for the module benchmark: eager, OrtModule and (with `compiled`)
+    torch.compile(backend="ortbridge"), each with an input of its own. check() runs eager's
+    step once and each wrapped one twice (the first call captures its graphs), and gives an error
+    message, or None."""
+    module = CloneChain(k).train(train)
+    wrapped = {"eager": module, "OrtModule": ortbridge.OrtModule(module)}
+    if compiled:
+        torch._dynamo.reset()  # (one code object, CloneChain.forward, for every K and mode)
+        wrapped["compile"] = torch.compile(module, backend="ortbridge")
+    x = torch.arange(NUMEL, dtype=torch.float32)
+    steps = {name: module_step(m, x.clone().requires_grad_(train), train) for name, m in wrapped.items()}
+    kind = "train" if train else "eval"
+
+    def check():
+        y_eager, gx_eager = steps["eager"]()
+        for name, step in steps.items():
+            if name == "eager":
+                continue
+            for _ in range(2):  # the first call captures; the second runs the captured graphs
+                y, gx = step()
+            if not torch.equal(y.detach(), y_eager.detach()):
+                return f"{kind} K={k}: {name} output {y.tolist()} differs from eager's {y_eager.tolist()}"
+            if train and (gx is None or not torch.equal(gx, gx_eager)):
+                return (f"{kind} K={k}: {name} input gradient {None if gx is None else gx.tolist()} differs from "
+                        f"eager's {gx_eager.tolist()}")
+            del y, gx
+            gc.collect()
+            if ortbridge.context_pool_size() != 0:
+                return f"{kind} K={k}: {ortbridge.context_pool_size()} contexts live after a {name} step"
+        return None
+
+    return steps, check
+
+
+def run_ortmodule(ks: tuple, repeats: int, target: float, warmup: int, compiled: bool) -> int:
+    """The module benchmark (--modes ortmodule): prints its tables; 1 when a check fails."""
+    variants = ["eager", "OrtModule"] + (["compile"] if compiled else [])
+    print("ortmodule: a module calling Clone.apply K times; step = train (forward, y.sum().backward()) or eval "
+          "(no_grad forward)")
+    print(f"OrtModule with its default options (ORT intra-op threads = torch's, {torch.get_num_threads()})"
+          + ("; compile = torch.compile(backend=\"ortbridge\"), which inlines the Function" if compiled else ""))
+    header = f"{'step':<6} {'K':>3} {'eager us/step':>14} {'OrtModule us/step':>18} {'ratio':>7}"
+    if compiled:
+        header += f" {'compile us/step':>16} {'ratio':>7}"
+    print(header)
+    results: dict[tuple[str, int], dict[str, float]] = {}
+    for kind in ("train", "eval"):
+        for k in ks:
+            steps, check = make_module_steps(kind == "train", k, compiled)
+            error = check()
+            if error is not None:
+                print(f"ERROR: {error}", file=sys.stderr)
+                return 1
+            times = dict(zip(variants, medians([steps[v] for v in variants], repeats, target, warmup)))
+            results[(kind, k)] = times
+            e = times["eager"]
+            line = f"{kind:<6} {k:>3} {e * 1e6:>14.1f} {times['OrtModule'] * 1e6:>18.1f} {times['OrtModule'] / e:>7.2f}"
+            if compiled:
+                line += f" {times['compile'] * 1e6:>16.1f} {times['compile'] / e:>7.2f}"
+            print(line, flush=True)
+            del steps, check
+    lo, hi = ks[0], ks[-1]
+    print()
+    print(f"per Function call = (t(K={hi}) - t(K={lo})) / {hi - lo}; goal: OrtModule / eager <= {PER_CALL_GOAL:g} "
+          f"(stretch {PER_CALL_STRETCH:g})" + ("; compile: per inlined clone, not a Function call" if compiled else ""))
+    header = (f"{'step':<6} {'eager us/call':>14} {'OrtModule us/call':>18} {'ratio':>7} "
+              f"{f'goal <={PER_CALL_GOAL:g}':>11} {f'stretch <={PER_CALL_STRETCH:g}':>12}")
+    if compiled:
+        header += f" {'compile us/clone':>17} {'ratio':>7}"
+    print(header)
+    for kind in ("train", "eval"):
+        slope = {v: (results[(kind, hi)][v] - results[(kind, lo)][v]) / (hi - lo) for v in variants}
+        ratio = slope["OrtModule"] / slope["eager"]
+        line = (f"{kind:<6} {slope['eager'] * 1e6:>14.2f} {slope['OrtModule'] * 1e6:>18.2f} {ratio:>7.2f} "
+                f"{_verdict(ratio <= PER_CALL_GOAL):>11} {_verdict(ratio <= PER_CALL_STRETCH):>12}")
+        if compiled:
+            line += f" {slope['compile'] * 1e6:>17.2f} {slope['compile'] / slope['eager']:>7.2f}"
+        print(line)
+    print()
+    print(f"fixed cost of a step over eager at K={lo} = t(K={lo}) - t_eager(K={lo}); goal: OrtModule <= "
+          f"{FIXED_GOAL_US:g} us")
+    header = f"{'step':<6} {'eager us/step':>14} {'OrtModule us':>13} {f'goal <={FIXED_GOAL_US:g} us':>14}"
+    if compiled:
+        header += f" {'compile us':>11}"
+    print(header)
+    for kind in ("train", "eval"):
+        times = results[(kind, lo)]
+        fixed = (times["OrtModule"] - times["eager"]) * 1e6
+        line = f"{kind:<6} {times['eager'] * 1e6:>14.1f} {fixed:>13.1f} {_verdict(fixed <= FIXED_GOAL_US):>14}"
+        if compiled:
+            line += f" {(times['compile'] - times['eager']) * 1e6:>11.1f}"
+        print(line)
+    return 0
+
+
+def _verdict(met: bool) -> str:
+    return "met" if met else "missed"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=7, help="timed repeats per measurement (median reported)")
     p.add_argument("--target", type=float, default=0.25, help="seconds per repeat (sets N)")
     p.add_argument("--quick", action="store_true", help="smoke run: 3 repeats of ~0.03 s")
-    p.add_argument("--modes", default="inference,forward,training",
-                   help="comma-separated subset of inference,forward,training")
+    p.add_argument("--modes", default=None,
+                   help="comma-separated subset of inference,forward,training,ortmodule (default: all of them; "
+                        "with --device cuda, all but ortmodule)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu (default) or cuda: the nodes on ORT's CUDA execution provider, eager on the GPU")
+    p.add_argument("--ortmodule-ks", default=",".join(map(str, ORTMODULE_KS)),
+                   help="comma-separated chain lengths K of the ortmodule mode (per call: from the smallest and "
+                        "the largest)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="ortmodule mode without the torch.compile(backend=\"ortbridge\") variant")
     args = p.parse_args(argv)
     repeats, target, warmup = args.repeats, args.target, 20
     if args.quick:
         repeats, target, warmup = min(repeats, 3), 0.03, 3
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if args.modes is None:
+        modes = list(GRAPH_MODES) + (["ortmodule"] if args.device == "cpu" else [])
+    else:
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
-        if m not in ("inference", "forward", "training"):
+        if m not in MODES:
             p.error(f"unknown mode {m!r}")
+    if "ortmodule" in modes and args.device != "cpu":
+        p.error("the ortmodule mode runs on the CPU only")
+    try:
+        ortmodule_ks = tuple(sorted({int(k) for k in args.ortmodule_ks.split(",") if k.strip()}))
+    except ValueError:
+        p.error(f"--ortmodule-ks {args.ortmodule_ks!r}: expected comma-separated integers")
+    if len(ortmodule_ks) < 2 or ortmodule_ks[0] < 1:
+        p.error("--ortmodule-ks needs two or more distinct chain lengths, each at least 1")
+    graph_modes = [m for m in modes if m in GRAPH_MODES]
     require_device(args.device, "overhead.py")
     on_cuda = args.device == "cuda"
     calls, sync = (make_cuda_calls, torch.cuda.synchronize) if on_cuda else (make_calls, None)
@@ -222,27 +400,33 @@ def main(argv=None) -> int:
         print(cuda_versions())
         print("device cuda: ORT's CUDA execution provider through IOBinding; each call (ORT run, eager chain) "
               "ends with its stream synchronized")
-    print(f"torch threads {torch.get_num_threads()}  ORT intra/inter threads 1/1  "
+    print(f"torch threads {torch.get_num_threads()}  " + ("ORT intra/inter threads 1/1  " if graph_modes else "") +
           f"tensor {NUMEL} x float32  repeats {repeats}  ~{target:g} s/repeat  (times: median, microseconds)")
-    print()
-    print(f"{'mode':<10} {'K':>3} {'ORT us/call':>12} {'eager us/call':>14} {'ratio':>7}")
-    results: dict[tuple[str, int], tuple[float, float]] = {}
-    for mode in modes:
-        for k in KS:
-            ort_call, eager_call, check = calls(mode, k)
-            check()
-            t_ort, t_eager = medians([ort_call, eager_call], repeats, target, warmup, sync)
-            results[(mode, k)] = (t_ort, t_eager)
-            print(f"{mode:<10} {k:>3} {t_ort * 1e6:>12.1f} {t_eager * 1e6:>14.1f} {t_ort / t_eager:>7.2f}", flush=True)
-            del ort_call, eager_call, check
-    print()
-    lo, hi = KS[0], KS[-1]
-    print(f"per op = (t(K={hi}) - t(K={lo})) / {hi - lo}")
-    print(f"{'mode':<10} {'ORT us/op':>10} {'eager us/op':>12} {'ratio':>7}")
-    for mode in modes:
-        (o1, e1), (o2, e2) = results[(mode, lo)], results[(mode, hi)]
-        po, pe = (o2 - o1) / (hi - lo), (e2 - e1) / (hi - lo)
-        print(f"{mode:<10} {po * 1e6:>10.2f} {pe * 1e6:>12.2f} {po / pe:>7.2f}")
+    if graph_modes:
+        print()
+        print(f"{'mode':<10} {'K':>3} {'ORT us/call':>12} {'eager us/call':>14} {'ratio':>7}")
+        results: dict[tuple[str, int], tuple[float, float]] = {}
+        for mode in graph_modes:
+            for k in KS:
+                ort_call, eager_call, check = calls(mode, k)
+                check()
+                t_ort, t_eager = medians([ort_call, eager_call], repeats, target, warmup, sync)
+                results[(mode, k)] = (t_ort, t_eager)
+                print(f"{mode:<10} {k:>3} {t_ort * 1e6:>12.1f} {t_eager * 1e6:>14.1f} {t_ort / t_eager:>7.2f}",
+                      flush=True)
+                del ort_call, eager_call, check
+        print()
+        lo, hi = KS[0], KS[-1]
+        print(f"per op = (t(K={hi}) - t(K={lo})) / {hi - lo}")
+        print(f"{'mode':<10} {'ORT us/op':>10} {'eager us/op':>12} {'ratio':>7}")
+        for mode in graph_modes:
+            (o1, e1), (o2, e2) = results[(mode, lo)], results[(mode, hi)]
+            po, pe = (o2 - o1) / (hi - lo), (e2 - e1) / (hi - lo)
+            print(f"{mode:<10} {po * 1e6:>10.2f} {pe * 1e6:>12.2f} {po / pe:>7.2f}")
+    if "ortmodule" in modes:
+        print()
+        if run_ortmodule(ortmodule_ks, repeats, target, warmup, not args.no_compile):
+            return 1
     gc.collect()
     live = ortbridge.context_pool_size()
     print()

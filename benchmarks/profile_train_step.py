@@ -1,8 +1,10 @@
-"""Where the time of a CNN training step goes under OrtModule, against eager PyTorch.
+"""Where the time of a training step goes under OrtModule, against eager PyTorch.
 
-The model, batch and step are train_step.py's CNN (mobilenet-like, HardSwishMe activation as a
-PythonOp / PythonOpGrad pair, BatchNorm in training mode, cross-entropy, AdamW), by default at
-that benchmark's larger size, 16 x 3 x 64 x 64. Three copies: eager, OrtModule, and OrtModule
+The model, batch and step are one of train_step.py's: by default its CNN (mobilenet-like,
+HardSwishMe activation as a PythonOp / PythonOpGrad pair, BatchNorm in training mode,
+cross-entropy, AdamW) at that benchmark's larger size, 16 x 3 x 64 x 64; `--model block` its
+transformer block (BiasGelu as the pair, mean-squared loss), by default at 16 x 64 x 128; `--size`
+gives the model's sizes (CNN: batch,side; Block: batch,seq,width). Three copies: eager, OrtModule, and OrtModule
 with ONNX Runtime's profiler on (SessionOptions.enable_profiling). Printed, per step:
 
 1. Phase wall times (forward + loss, backward, optimizer step + zero_grad), median over
@@ -23,7 +25,7 @@ with ONNX Runtime's profiler on (SessionOptions.enable_profiling). Printed, per 
 4. Both torch.profiler tables, top --top rows by self CPU time (totals over --torch-steps).
 
 ORT writes its profile files into a temporary directory, removed at the end. From benchmarks/:
-python3 profile_train_step.py [--batch 16 --side 64 --threads N].
+python3 profile_train_step.py [--model cnn|block] [--size 16,64] [--threads N].
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import torch
 
 import ortbridge
 from common import versions
-from train_step import cnn_case
+from train_step import block_case, cnn_case
 
 PHASES = ("forward", "backward", "optimizer", "step")
 
@@ -145,8 +147,8 @@ def fmt(ms: float | None, width: int) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--side", type=int, default=64)
+    parser.add_argument("--model", choices=("cnn", "block"), default="cnn")
+    parser.add_argument("--size", help="the model's sizes: CNN batch,side (16,64); Block batch,seq,width (16,64,128)")
     parser.add_argument("--threads", type=int, help="torch's (and so ONNX Runtime's) thread count")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
@@ -156,14 +158,15 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(versions())
-    print(f"torch threads {torch.get_num_threads()}; CNN {args.batch} x 3 x {args.side} x {args.side}; "
-          f"{args.steps} steps after {args.warmup} warm-up steps\n")
+    case, default = (cnn_case, "16,64") if args.model == "cnn" else (block_case, "16,64,128")
     torch.manual_seed(0)
-    model, x, y, loss_fn, _ = cnn_case(args.batch, args.side)
+    model, x, y, loss_fn, size = case(*map(int, (args.size or default).split(",")))
+    print(f"torch threads {torch.get_num_threads()}; {args.model} {size}; "
+          f"{args.steps} steps after {args.warmup} warm-up steps\n")
     folder = tempfile.mkdtemp(prefix="ortbridge_profile_")
     try:
         profiled_module = ortbridge.OrtModule(copy.deepcopy(model),
-                                              session_options=profiling_options(os.path.join(folder, "cnn")))
+                                              session_options=profiling_options(os.path.join(folder, args.model)))
         steps = {"eager": phased_trainer(copy.deepcopy(model), x, y, loss_fn),
                  "OrtModule": phased_trainer(ortbridge.OrtModule(copy.deepcopy(model)), x, y, loss_fn),
                  "OrtModule, ORT profiler": phased_trainer(profiled_module, x, y, loss_fn)}

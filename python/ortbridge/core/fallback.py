@@ -29,7 +29,8 @@ aten = torch.ops.aten
 # wrongly (_embedding_bag: the max indices that mode="max" saves for backward), and those with a
 # decomposition that ONNX Runtime runs slower than PyTorch runs the operator, chosen per operator
 # by benchmarks/fallback_ops.py (both ways, in training steps, in one run).
-PYTORCH_PREFERRED: set = {aten._embedding_bag.default,
+PYTORCH_PREFERRED: set = {aten._embedding_bag.default, aten._native_batch_norm_legit_functional.default,
+                          aten.native_batch_norm_backward.default,
                           aten.native_layer_norm_backward.default, aten.native_group_norm_backward.default}
 
 

@@ -35,13 +35,30 @@ from .graph import GraphSession
 aten = torch.ops.aten
 log = logging.getLogger("ortbridge")
 # Operators torch's ONNX exporter writes wrongly for training, traced as the operators they are
-# made of instead: batch norm in training mode became BatchNormalization in inference mode; the
-# total weight that nll_loss_forward gives its backward came out as 1 (gradients of a mean loss
-# multiplied by the batch size). (Likewise attention: the capture asks for the math kernel, as
-# the fused ones' outputs saved for backward got other shapes than torch's.)
-_DECOMPOSITIONS = torch._decomp.get_decompositions([
-    aten._native_batch_norm_legit_functional, aten._native_batch_norm_legit, aten.native_batch_norm,
-    aten.native_batch_norm_backward, aten.nll_loss_forward])
+# made of instead: the total weight that nll_loss_forward gives its backward came out as 1
+# (gradients of a mean loss multiplied by the batch size); batch norm in training mode became
+# BatchNormalization in inference mode, so it runs in PyTorch (fallback.PYTORCH_PREFERRED: one
+# node each way, where its decomposition made ~60 small ONNX nodes per layer). (Likewise
+# attention: the capture asks for the math kernel, as the fused ones' outputs saved for backward
+# got other shapes than torch's.)
+_DECOMPOSITIONS = torch._decomp.get_decompositions([aten._native_batch_norm_legit, aten.native_batch_norm,
+                                                    aten.nll_loss_forward])
+_batch_norm_backward = torch._decomp.get_decompositions([aten.native_batch_norm_backward])
+_batch_norm_backward = _batch_norm_backward[aten.native_batch_norm_backward.default]
+
+
+def _eval_batch_norm_backward(grad, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps,
+                              output_mask):
+    """Batch norm's backward from batch statistics stays one operator (a fallback node); from
+    running statistics (eval mode) it is decomposed, reading them rather than the empty batch
+    statistics that the exporter writes with other shapes."""
+    if train:
+        return NotImplemented
+    return _batch_norm_backward(grad, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps,
+                                output_mask)
+
+
+_DECOMPOSITIONS[aten.native_batch_norm_backward.default] = _eval_batch_norm_backward
 
 
 def _select_backward(grad, input_sizes, dim, index):
