@@ -40,6 +40,7 @@ import sys
 import torch
 
 import ortbridge
+from ortbridge.training.graph import default_session_options
 from common import medians, versions
 
 F = torch.nn.functional
@@ -169,23 +170,30 @@ def main() -> int:
     parser.add_argument("--target", type=float, default=0.3, help="seconds per repeat")
     parser.add_argument("--quick", action="store_true", help="one small shape per model, few repeats (a smoke test)")
     parser.add_argument("--threads", type=int, help="torch's (and so ONNX Runtime's) thread count")
+    parser.add_argument("--ort-threads", type=int, help="ONNX Runtime's intra-op thread count (default: OrtModule's)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    options = {}
+    if args.ort_threads:
+        options["session_options"] = default_session_options()
+        options["session_options"].intra_op_num_threads = args.ort_threads
     cases = [("Block", block_case, (8, 16, 64)), ("CNN", cnn_case, (8, 32))]
     if not args.quick:
         cases[1:1] = [("Block", block_case, (16, 64, 128))]
         cases.append(("CNN", cnn_case, (16, 64)))
     repeats, target = (3, 0.05) if args.quick else (args.repeats, args.target)
     print(versions())
-    print(f"torch threads {torch.get_num_threads()}; median of {repeats} repeats\n")
+    print(f"torch threads {torch.get_num_threads()}; ONNX Runtime intra-op threads "
+          f"{args.ort_threads or 'as torch'}; median of {repeats} repeats\n")
     print(f"{'model':>5} {'size':>18} {'eager ms':>9} {'OrtModule ms':>13} {'ratio':>6} {'compile ms':>11} {'ratio':>6}")
     for name, case, shape in cases:
         torch.manual_seed(0)
         model, x, y, loss_fn, size = case(*shape)
         torch._dynamo.reset()
-        steps = [trainer(m, x, y, loss_fn) for m in (copy.deepcopy(model), ortbridge.OrtModule(copy.deepcopy(model)),
-                                                     torch.compile(copy.deepcopy(model), backend="ortbridge"))]
+        steps = [trainer(m, x, y, loss_fn) for m in (
+            copy.deepcopy(model), ortbridge.OrtModule(copy.deepcopy(model), **options),
+            torch.compile(copy.deepcopy(model), backend="ortbridge", options=options))]
         first = [s() for s in steps]  # captures the graphs
         for wrapper, loss in zip(("OrtModule", "compile"), first[1:]):
             if not torch.allclose(loss, first[0], rtol=1e-4, atol=1e-6):

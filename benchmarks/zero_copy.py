@@ -18,21 +18,27 @@ so no numpy conversion of the input or output is timed. References, timed in the
   torch.clone  x.clone() in eager torch: what the clone variant computes, minus the bridge.
   copy_        out.copy_(x) into a preallocated tensor: one copy with no allocation, roughly
                the memory-bandwidth floor for one pass.
+  clone+copy_  out.copy_(x.clone()): what "clone" must do at the least, all in torch: the
+               Function's clone, then one copy into a buffer that was already there (ORT's).
+               "clone/floor" = ORT clone / this: what the bridge adds to that floor.
 
 How to read it
 --------------
 Each row gives median microseconds per call (median over repeats of N back-to-back calls),
-ratio = ORT / torch.clone for each variant ("clone/tc", "view/tc"), and "view GB/s" = size /
-ORT view time (bytes delivered into ORT's output per second). For small tensors the bridge's
-fixed cost (session run, GIL, DLPack, Function.apply: tens of us) dominates and the ratios are
-large. For large tensors the cost is bandwidth: "clone" costs torch.clone plus one copy, and
-"view" costs about one copy_, so view/tc near or below 1 means the bridge adds nothing beyond
-the one unavoidable copy into ORT's buffer. Around 1-16 MiB, clone/tc can exceed 2: the clone
-variant touches three buffers (input, torch's clone, ORT's output) where torch.clone touches
-two, and falls out of cache sooner. From 64 MiB torch.clone gets fresh pages from the kernel on
-every call (glibc serves blocks above its mmap threshold, at most 32 MiB, with mmap/munmap) and
-pays a page fault per 4 KiB page (partly so already at 4-16 MiB, where glibc trims the heap), while ORT's arena reuses output memory that is already mapped; that is why
-"view" beats torch.clone there, and why clone/tc drops towards 1.
+ratio = ORT / torch.clone for each variant ("clone/tc", "view/tc"), "floor/tc" = clone+copy_ /
+torch.clone (the two copies alone, in torch), "clone/floor" = ORT clone / clone+copy_ (what the
+bridge adds to them), and "view GB/s" = size / ORT view time (bytes delivered into ORT's output
+per second). For small tensors the bridge's fixed cost (session run, GIL, DLPack,
+Function.apply: ~10 us) dominates and the ratios are large. For large tensors the cost is
+bandwidth: "clone" costs torch.clone plus one copy, and "view" costs about one copy_, so view/tc
+near or below 1 means the bridge adds nothing beyond the one unavoidable copy into ORT's buffer.
+Around 1-16 MiB, clone/tc (and floor/tc) can exceed 2: the two copies touch three buffers
+(input, torch's clone, ORT's output) where torch.clone touches two, and fall out of cache
+sooner. From 64 MiB torch.clone gets fresh pages from the kernel on every call (glibc serves
+blocks above its mmap threshold, at most 32 MiB, with mmap/munmap) and pays a page fault per 4
+KiB page (partly so already at 4-16 MiB, where glibc trims the heap), while ORT's arena reuses
+output memory that is already mapped; that is why "view" beats torch.clone there, and why
+clone/tc drops towards 1.
 
 torch and ORT intra-op threads are both set to --threads (default 1), so that every copy runs
 on one core, like the kernel's memcpy. Peak resident memory is printed at the end.
@@ -125,8 +131,8 @@ def main(argv=None) -> int:
         print("each call (ORT run, torch.clone, copy_) ends with its stream synchronized")
     print("times: median microseconds per call; ratio = ORT / torch.clone")
     print()
-    print(f"{'size':>5} {'ORT clone':>11} {'ORT view':>11} {'torch.clone':>12} {'copy_':>11} "
-          f"{'clone/tc':>9} {'view/tc':>8} {'view GB/s':>10}")
+    print(f"{'size':>5} {'ORT clone':>11} {'ORT view':>11} {'torch.clone':>12} {'copy_':>11} {'clone+copy_':>12} "
+          f"{'clone/tc':>9} {'floor/tc':>9} {'clone/floor':>11} {'view/tc':>8} {'view GB/s':>10}")
 
     for nbytes in sizes:
         numel = nbytes // 4
@@ -148,6 +154,11 @@ def main(argv=None) -> int:
                 stream.synchronize()
                 return out
 
+            def clone_copy():
+                out.copy_(x.clone())
+                stream.synchronize()
+                return out
+
             torch.cuda.synchronize()  # ORT's stream does not wait for torch's: x is ready before any run
         else:
             def torch_clone():
@@ -155,6 +166,9 @@ def main(argv=None) -> int:
 
             def copy_():
                 return out.copy_(x)
+
+            def clone_copy():
+                return out.copy_(x.clone())
 
         # Correctness, once per size: both variants return x, in a buffer that is not x's.
         for io, call in ((io_c, ort_clone), (io_v, ort_view)):
@@ -169,14 +183,14 @@ def main(argv=None) -> int:
                 assert np.array_equal(y.numpy(), x.numpy()), "ORT output differs from the input"
             del y
 
-        fns = [ort_clone, ort_view, torch_clone, copy_]
+        fns = [ort_clone, ort_view, torch_clone, copy_, clone_copy]
         large = nbytes >= (64 << 20)
         # warm-up covers arena growth, page mapping and allocator caches
-        t_clone, t_view, t_tc, t_copy = medians(fns, large_repeats if large else repeats, target, 2 if large else 10,
-                                                sync)
+        t_clone, t_view, t_tc, t_copy, t_floor = medians(fns, large_repeats if large else repeats, target,
+                                                         2 if large else 10, sync)
         print(f"{fmt_size(nbytes):>5} {t_clone * 1e6:>11.1f} {t_view * 1e6:>11.1f} {t_tc * 1e6:>12.1f} "
-              f"{t_copy * 1e6:>11.1f} {t_clone / t_tc:>9.2f} {t_view / t_tc:>8.2f} {nbytes / t_view / 1e9:>10.2f}",
-              flush=True)
+              f"{t_copy * 1e6:>11.1f} {t_floor * 1e6:>12.1f} {t_clone / t_tc:>9.2f} {t_floor / t_tc:>9.2f} "
+              f"{t_clone / t_floor:>11.2f} {t_view / t_tc:>8.2f} {nbytes / t_view / 1e9:>10.2f}", flush=True)
         del io_c, io_v, ort_clone, ort_view, fns
         gc.collect()
 

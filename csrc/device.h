@@ -48,7 +48,8 @@ class StreamScope {
   py::object previous_;  // what restore_stream puts back
 };
 
-// Buffer writes by torch on its current stream (the runner's copy_into and fill). GIL held.
+// Buffer writes by torch on its current stream (the runner's copy_into and fill); on the CPU,
+// large copies, which torch's threads share. GIL held.
 // Copies `src`'s elements in row-major order into the compact buffer `dst` (which may overlap
 // src: a view of that buffer).
 void TorchCopy(const py::object& runner, void* dst, const ImportedTensor& src);

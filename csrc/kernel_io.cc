@@ -12,6 +12,10 @@ namespace {
 
 std::atomic<uint64_t> g_skipped_copies{0};
 
+// From this size a host copy goes through torch, whose copy runs on its intra-op threads: on two
+// cores that is ~2x one memcpy at 4 MiB and ~3x at 16 MiB, against ~5 us for the call into Python.
+constexpr size_t kTorchCopyBytes = size_t{1} << 20;
+
 // As Python prints a tuple: (), (3,), (2, 3).
 std::string ShapeText(const std::vector<int64_t>& shape) {
   std::string s = "(";
@@ -81,7 +85,7 @@ TensorView KernelOutputs::Write(size_t index, PyObject* capsule, int64_t type, i
   out.data = AllocateOutput(api_, context_, index, out.shape, type);
   if (out.data == t.data() && t.compact()) {
     g_skipped_copies.fetch_add(1, std::memory_order_relaxed);  // the Function wrote into ORT's buffer
-  } else if (placement_.via_torch()) {
+  } else if (placement_.via_torch() || static_cast<size_t>(t.element_count()) * t.element_size() >= kTorchCopyBytes) {
     TorchCopy(runner_, out.data, t);  // queued on the stream: t's memory stays valid (see device.h)
   } else {
     t.CopyTo(out.data);  // also a view of that buffer (a transpose, a slice): it may overlap
@@ -102,7 +106,7 @@ size_t ByteSize(const TensorMeta& meta) {
 void KernelOutputs::Redirect(size_t index, TensorView* input) {
   void* buffer = AllocateOutput(api_, context_, index, input->shape, input->elem_type);
   if (buffer == input->data) return;
-  if (placement_.via_torch()) {
+  if (placement_.via_torch() || ByteSize(*input) >= kTorchCopyBytes) {
     TorchCopy(runner_, buffer, *input, placement_.device);
   } else {
     std::memcpy(buffer, input->data, ByteSize(*input));

@@ -118,7 +118,7 @@ def _arguments(layout) -> list:
 
 class _Node:
     """What both nodes share: the device of the kernel's tensors, and the device work of a
-    kernel off the CPU."""
+    kernel off the CPU (on the CPU, its large copies: torch's copy runs on several threads)."""
 
     def __init__(self, device: str):
         self.device = torch.device(device)

@@ -55,26 +55,32 @@ def _config_entry(options: ort.SessionOptions, key: str) -> str | None:
 
 
 def _scoped(run, outputs_of):
-    """Wraps a run method in a run scope: a failed run releases the autograd contexts it created;
-    a run that succeeds releases those whose id no output holds (nothing could ever take them)."""
+    """Wraps a run method in a run scope (see in_run_scope)."""
 
     @functools.wraps(run)
     def scoped(self, *args, **kwargs):
-        _C._begin_run()
-        try:
-            result = run(self, *args, **kwargs)
-        except BaseException:
-            _C._end_run(failed=True)
-            raise
-        unheld = _C._end_run(failed=False)
-        if unheld:
-            returned = _returned(unheld, outputs_of(result, args, kwargs))
-            for context_id in unheld:
-                if context_id not in returned:
-                    _C.release_context(context_id)
-        return result
+        return in_run_scope(lambda: run(self, *args, **kwargs), lambda result: outputs_of(result, args, kwargs))
 
     return scoped
+
+
+def in_run_scope(run, outputs_of):
+    """run() in a run scope: a failed run releases the autograd contexts it created; a run that
+    succeeds releases those whose id none of outputs_of(its result) holds (nothing could ever
+    take them)."""
+    _C._begin_run()
+    try:
+        result = run()
+    except BaseException:
+        _C._end_run(failed=True)
+        raise
+    unheld = _C._end_run(failed=False)
+    if unheld:
+        returned = _returned(unheld, outputs_of(result))
+        for context_id in unheld:
+            if context_id not in returned:
+                _C.release_context(context_id)
+    return result
 
 
 def _returned(ids: list, outputs) -> set:

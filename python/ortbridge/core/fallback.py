@@ -2,18 +2,22 @@
 and no decomposition into operators that have one) becomes a PythonOp node that runs the operator
 in PyTorch on ONNX Runtime's buffers (see ortbridge.operators), instead of failing the export.
 
-Applied to an ExportedProgram before torch.onnx.export: the program is decomposed as torch's
-exporter would decompose it; if some operator is left without a translation, the decomposed
-program is traced again with each such call emitting its node.
+Applied to an ExportedProgram before its translation (to_onnx): the program is decomposed as
+torch's exporter would decompose it; if some operator is left without a translation, the
+decomposed program is traced again with each such call emitting its node. to_onnx then
+translates it as torch.onnx.export(dynamo=True) would, without decomposing it a second time.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import logging
 import re
+import types
 
+import onnx
 import torch
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
@@ -34,11 +38,32 @@ PYTORCH_PREFERRED: set = {aten._embedding_bag.default, aten._native_batch_norm_l
                           aten.native_layer_norm_backward.default, aten.native_group_norm_backward.default}
 
 
-@functools.cache
-def _onnx_registry():
-    from torch.onnx._internal.exporter import _decomp, _registration
+def _opsets(opset_version: int | None) -> tuple[int, int]:
+    """(the model's opset, its translations' opset) as torch.onnx.export(dynamo=True) picks them:
+    torch's default opset where None; translations no older than torchlib's (converted after)."""
+    from torch.onnx import _constants as onnx_constants
+    from torch.onnx._internal.exporter import _constants
 
-    translated = frozenset(_decomp.get_onnx_implemented_overloads(_registration.ONNXRegistry.from_torchlib()))
+    opset_version = opset_version or onnx_constants.ONNX_DEFAULT_OPSET
+    return opset_version, max(opset_version, _constants.TORCHLIB_OPSET)
+
+
+@functools.cache
+def _onnx_registry(registry_opset: int):
+    """torch's ONNX translations for one opset, built once: torch.onnx.export builds them at each
+    call (about a second). Translation only reads them, and ortbridge registers none of its own
+    (PythonOp nodes are torch.onnx.ops.symbolic_multi_out calls, which torchlib translates)."""
+    from torch.onnx._internal.exporter import _registration
+
+    return _registration.ONNXRegistry.from_torchlib(opset_version=registry_opset)
+
+
+@functools.cache
+def _decompositions(registry_opset: int) -> tuple[frozenset, dict]:
+    """(the operators torch's exporter translates, the decompositions it applies to the others)."""
+    from torch.onnx._internal.exporter import _decomp
+
+    translated = frozenset(_decomp.get_onnx_implemented_overloads(_onnx_registry(registry_opset)))
     return translated, _decomp.create_onnx_friendly_decomposition_table(translated)
 
 
@@ -58,39 +83,75 @@ def node_without_kernel(error: str) -> str | None:
     return match.group(1) if match else None
 
 
-def exportable(program: torch.export.ExportedProgram, args: tuple, kwargs: dict | None = None,
-               dynamic_shapes=None, in_pytorch=frozenset()) -> torch.export.ExportedProgram:
-    """`program`, or where it calls operators torch's ONNX exporter cannot write, the program
-    with each such call a fallback node. `args`, `kwargs`, `dynamic_shapes`: as it was exported.
-    `in_pytorch`: names of nodes of the decomposed program to run as fallback nodes too."""
+def exportable(program: torch.export.ExportedProgram, in_pytorch=frozenset(),
+               opset_version: int | None = None) -> torch.export.ExportedProgram:
+    """`program` decomposed as torch's ONNX exporter would decompose it for `opset_version`, each
+    call of an operator it cannot write a fallback node; to_onnx translates it. `in_pytorch`:
+    names of nodes of the decomposed program to run as fallback nodes too."""
     from torch.onnx._internal.exporter import _fx_passes
 
-    translated, table = _onnx_registry()
-    # Decomposed as torch's exporter would decompose it (less the operators PyTorch runs faster).
-    decomposed = program.run_decompositions({op: f for op, f in table.items() if op not in PYTORCH_PREFERRED})
-    _fx_passes.remove_assertion_nodes(decomposed.graph_module)  # (torch's exporter drops them too)
-    fallbacks = [n for n in decomposed.graph.nodes if _needs_fallback(n, translated, in_pytorch)]
-    if not fallbacks:
-        return program
-    for node in fallbacks:
-        try:  # (what a model file could not name, the exporter does not write either)
-            operators.function(operators.name_of(node.target))
-        except LookupError as e:
-            if operators.allowed(node.target.namespace):
-                raise ExportError(f"operator {operators.name_of(node.target)} has no ONNX translation and cannot run "
-                                  f"as a fallback node: {e}") from None
-        if not operators.allowed(node.target.namespace):
-            raise ExportError(f"operator {operators.name_of(node.target)} has no ONNX translation, and its namespace "
-                              f"is not allowed to run as a fallback node; call ortbridge.allow_operators("
-                              f"'{node.target.namespace}') to let it run in PyTorch inside the graph.")
-    log.info("operators run by PyTorch inside the graph: %s",
-             ", ".join(sorted({operators.name_of(n.target) for n in fallbacks})))
-    module = decomposed.module()
-    for node in module.graph.nodes:
-        if _needs_fallback(node, translated, in_pytorch):
+    translated, table = _decompositions(_opsets(opset_version)[1])
+    # (as torch's exporter decomposes: a dynamic dim may have an example size of 0 or 1)
+    with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+        # Decomposed as torch's exporter would decompose it (less the operators PyTorch runs faster).
+        decomposed = program.run_decompositions({op: f for op, f in table.items() if op not in PYTORCH_PREFERRED})
+        _fx_passes.remove_assertion_nodes(decomposed.graph_module)  # (torch's exporter drops them too)
+        fallbacks = [n for n in decomposed.graph.nodes if _needs_fallback(n, translated, in_pytorch)]
+        if not fallbacks:
+            return decomposed
+        for node in fallbacks:
+            try:  # (what a model file could not name, the exporter does not write either)
+                operators.function(operators.name_of(node.target))
+            except LookupError as e:
+                if operators.allowed(node.target.namespace):
+                    raise ExportError(f"operator {operators.name_of(node.target)} has no ONNX translation and cannot "
+                                      f"run as a fallback node: {e}") from None
+            if not operators.allowed(node.target.namespace):
+                raise ExportError(f"operator {operators.name_of(node.target)} has no ONNX translation, and its "
+                                  f"namespace is not allowed to run as a fallback node; call ortbridge.allow_operators("
+                                  f"'{node.target.namespace}') to let it run in PyTorch inside the graph.")
+        log.info("operators run by PyTorch inside the graph: %s",
+                 ", ".join(sorted({operators.name_of(n.target) for n in fallbacks})))
+        for node in fallbacks:
             node.target = _emitter(node.target)
-    module.recompile()
-    return torch.export.export(module, args, kwargs=kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+        decomposed.graph_module.recompile()
+        # Traced again, each fallback call emitting its node; the empty table decomposes nothing
+        # (all is decomposed already), so the result is what torch's exporter translates.
+        return decomposed.run_decompositions({})
+
+
+def to_onnx(program: torch.export.ExportedProgram, opset_version: int | None = None) -> onnx.ModelProto:
+    """`program` as exportable returns it, as ONNX: what torch.onnx.export(program, dynamo=True,
+    opset_version=opset_version) writes (optimized), with ortbridge's one copy of torch's ONNX
+    translations and without decomposing the program again."""
+    opset_version, registry_opset = _opsets(opset_version)
+    steps = _translation_steps()
+    if steps is None:  # (this torch's private steps differ: its public export, which decomposes again)
+        return torch.onnx.export(program, (), dynamo=True, opset_version=opset_version, verbose=False).model_proto
+    # torch.onnx.export's steps after its decomposition (torch/onnx/_internal/exporter/_core.py export).
+    with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+        steps.insert_type_promotion_nodes(program.graph_module)
+        steps.remove_assertion_nodes(program.graph_module)
+    onnx_program = steps.translate(program, registry=_onnx_registry(registry_opset))
+    onnx_program.model = steps.convert_version(onnx_program.model, opset_version)
+    onnx_program.optimize()
+    return onnx_program.model_proto
+
+
+@functools.cache
+def _translation_steps():
+    """torch's private functions to_onnx calls, or None where this torch lacks one of them, or
+    its translation does not take a registry."""
+    try:
+        from torch.onnx._internal.exporter import _core, _fx_passes
+
+        steps = types.SimpleNamespace(insert_type_promotion_nodes=_fx_passes.insert_type_promotion_nodes,
+                                      remove_assertion_nodes=_fx_passes.remove_assertion_nodes,
+                                      translate=_core._exported_program_to_onnx_program,
+                                      convert_version=_core.onnxscript_apis.convert_version)
+    except (ImportError, AttributeError):
+        return None
+    return steps if "registry" in inspect.signature(steps.translate).parameters else None
 
 
 def _layout(args: tuple, kwargs: dict) -> tuple[tuple, tuple, list]:

@@ -1,4 +1,4 @@
-"""The torch.export-based path: torch.export.export(strict=False), then torch.onnx.export.
+"""The torch.export-based path: torch.export.export(strict=False), then torch's ONNX exporter.
 
 torch.export traces through a Function's forward and drops its backward. While it runs, each
 exported Function's `apply` emits `torch.onnx.ops.symbolic_multi_out("ortbridge::PythonOp")`
@@ -41,8 +41,7 @@ def export(model, args: tuple, kwargs: dict, dynamic_shapes, calls: list[Call], 
         shapes = dims.for_torch_export(dynamic_shapes)
         program = torch.export.export(model, args, kwargs=kwargs, strict=False, dynamic_shapes=shapes)
         emitter.table.require_all_reached("torch.export's trace")
-        program = fallback.exportable(program, args, kwargs, shapes)
-    proto = torch.onnx.export(program, args, kwargs=kwargs, dynamo=True, opset_version=opset_version,
-                              verbose=False).model_proto
+        program = fallback.exportable(program, opset_version=opset_version)
+    proto = fallback.to_onnx(program, opset_version)
     dims.rename(proto, dims.names(model, args, kwargs, dynamic_shapes))
     return proto

@@ -103,14 +103,18 @@ class _Flat(torch.nn.Module):
         self.leaves = _template(leaves)
         self.result_spec = None
         self.result_leaves = None
+        self.one_tensor = False
 
     def forward(self, *tensors):
         args, kwargs = pytree.tree_unflatten(_filled(self.leaves, tensors), self.spec)
         leaves, self.result_spec = pytree.tree_flatten(self.module(*args, **kwargs))
         self.result_leaves = _template(leaves)
+        self.one_tensor = self.result_spec.is_leaf() and self.result_leaves == [_TENSOR]
         return tuple(x for x in leaves if isinstance(x, torch.Tensor))
 
     def result(self, tensors) -> object:
+        if self.one_tensor:  # (the module returned one tensor: no pytree walk)
+            return tensors[0]
         return pytree.tree_unflatten(_filled(self.result_leaves, tensors), self.result_spec)
 
 

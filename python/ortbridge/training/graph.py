@@ -16,7 +16,7 @@ import operator
 
 import onnx
 import onnxruntime as ort
-import onnxruntime.capi.onnxruntime_pybind11_state as ort_errors
+import onnxruntime.capi.onnxruntime_pybind11_state as ort_capi
 import sympy
 import torch
 from torch.utils._sympy.functions import FloorDiv
@@ -274,7 +274,7 @@ class GraphSession:
                     self.model.SerializeToString(), session_options or default_session_options(),
                     providers=_providers(providers, graph.device))
                 break
-            except (ort_errors.NotImplemented, ort_errors.InvalidGraph) as e:
+            except (ort_capi.NotImplemented, ort_capi.InvalidGraph) as e:
                 node = fallback.node_without_kernel(str(e))
                 if node is None or node in in_pytorch:
                     raise
@@ -301,6 +301,7 @@ class GraphSession:
         self.output_bindings = [(name, cpu if is_context else on_device, _dtypes.numpy_type(dtype))
                                 for name, (dtype, is_context) in zip(output_names, graph.outputs)]
         self.stream = _cuda_stream(graph.device) if graph.device.type == "cuda" else None
+        self._bindings: list = []  # IOBindings not in use
 
     def __call__(self, args: list) -> list:
         if torch.is_inference_mode_enabled():  # Functions see normal tensors, as in an ORT session of their own
@@ -319,8 +320,16 @@ class GraphSession:
                 for s in graph.sources]
 
     def _run_session(self, inputs: list) -> list:
-        binding = self.session.io_binding()
-        bind_input, bind_output = binding._iobinding.bind_input, binding._iobinding.bind_output
+        # ORT's own IOBinding binding, reused: its Python wrapper asks the session for its
+        # providers on every run. One per concurrent run (another thread, a nested call).
+        binding = self._bindings.pop() if self._bindings else ort_capi.SessionIOBinding(self.session._sess)
+        try:
+            return self._run_bound(binding, inputs)
+        finally:
+            self._bindings.append(binding)
+
+    def _run_bound(self, binding, inputs: list) -> list:
+        bind_input, bind_output = binding.bind_input, binding.bind_output
         for name, k, device, numpy_type in self.input_bindings:
             t = inputs[k]
             bind_input(name, device, numpy_type, t.shape, t.data_ptr() or _placeholder_address(t))
@@ -330,8 +339,10 @@ class GraphSession:
                    for (dtype, is_context), shape in zip(self.graph.outputs, self.graph.output_shapes(inputs))]
         for (name, ort_device, numpy_type), t in zip(self.output_bindings, outputs):
             bind_output(name, ort_device, numpy_type, t.shape, t.data_ptr() or _placeholder_address(t))
+        # (every context id this run makes is held by its output tensor: the scope releases any other)
+        run = functools.partial(self.session._sess.run_with_iobinding, binding, None)
         if self.stream is None:
-            self.session.run_with_iobinding(binding)
+            runtime.in_run_scope(run, _no_outputs)
             return outputs
         # ORT's stream starts after torch's work on the inputs and outputs; ORT's run ends once its
         # stream is done (context ids read on the host), and torch's later work waits for it too.
@@ -339,9 +350,13 @@ class GraphSession:
         with torch.cuda.device(device):
             current = torch.cuda.current_stream(device)
             self.stream.wait_stream(current)
-            self.session.run_with_iobinding(binding)
+            runtime.in_run_scope(run, _no_outputs)
             current.wait_stream(self.stream)
         return outputs
+
+
+def _no_outputs(result) -> tuple:
+    return ()
 
 
 def _ort_device(device: torch.device):
@@ -372,6 +387,5 @@ def _export(gm: torch.fx.GraphModule, inputs: list, in_pytorch: set) -> onnx.Mod
     with quiet_exporter(), torch._subclasses.fake_tensor.unset_fake_temporarily():
         dynamic = dynamic if any(dynamic) else None
         program = torch.export.export(gm, example, dynamic_shapes=dynamic, strict=False)
-        program = fallback.exportable(program, example, dynamic_shapes=dynamic, in_pytorch=in_pytorch)
-        return torch.onnx.export(program, example, dynamo=True, verbose=False).model_proto
+        return fallback.to_onnx(fallback.exportable(program, in_pytorch=in_pytorch))
 

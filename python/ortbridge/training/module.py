@@ -59,12 +59,18 @@ class OrtModule(torch.nn.Module):
         self.options = {"session_options": session_options, "providers": providers,
                         "save_graphs": os.fspath(save_graphs) if save_graphs is not None else None}
         self._captures: dict = {}  # signature -> the captures made for it
+        self._parameters_seen: list | None = None
 
     def forward(self, *args, **kwargs):
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if not kwargs and all(type(x) is torch.Tensor for x in args):  # (no pytree walk: most calls)
+            leaves, spec = args, len(args)
+        else:
+            leaves, spec = pytree.tree_flatten((args, kwargs))
+        if self._parameters_seen is None:  # (those a capture takes: it holds these objects)
+            self._parameters_seen = list(self.module.parameters())
         key = (self.module.training, torch.is_grad_enabled(), spec,
                tuple(_signature(x, self.dynamic) for x in leaves),
-               tuple(p.requires_grad for p in self.module.parameters()))
+               tuple(p.requires_grad for p in self._parameters_seen))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         captures = self._captures.setdefault(key, [])
         capture = next((c for c in captures if c.accepts(tensors)), None)
@@ -104,6 +110,7 @@ class OrtModule(torch.nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         if assign:  # new Parameter objects: the captured graphs hold the old ones
             self._captures.clear()
+            self._parameters_seen = None
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def __getattr__(self, name: str):
