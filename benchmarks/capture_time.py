@@ -28,7 +28,8 @@ changes), each phase's time exclusive of the phases nested in it:
   fallback             core/fallback.py exportable: run_decompositions as torch's ONNX exporter
                        would decompose, the check for operators without a translation and, where
                        there are some, the program traced again with each one a fallback node
-  torch.onnx.export    translation of the exported program to ONNX (it decomposes again)
+  ONNX translation     core/fallback.py to_onnx: torch's ONNX translation of that program and its
+                       optimizer (with one copy of torch's translation table, no decomposition)
   post-processing      ortbridge's edits of the ONNX graph: node names, dim names, context-id
                        outputs (export); gradient outputs, node names (capture)
   FX rewrite           training/graph.py OnnxGraph: AOTAutograd's graph rewritten for the export
@@ -154,7 +155,7 @@ class PhaseTimer:
         self._patches.clear()
 
 
-EXPORT_PHASES = ["record", "torch.export", "fallback", "torch.onnx.export", "post-processing", "session creation"]
+EXPORT_PHASES = ["record", "torch.export", "fallback", "ONNX translation", "post-processing", "session creation"]
 
 
 def export_timer() -> PhaseTimer:
@@ -162,7 +163,7 @@ def export_timer() -> PhaseTimer:
     timer.wrap(record.Recorder, "run", "record")
     timer.wrap(torch.export, "export", "torch.export", absorbed_by=("fallback",))
     timer.wrap(fallback, "exportable", "fallback")
-    timer.wrap(torch.onnx, "export", "torch.onnx.export")
+    timer.wrap(fallback, "to_onnx", "ONNX translation")
     for owner, attr in ((ortbridge.exporter, "name_nodes"), (ortbridge.exporter, "_expose_contexts"),
                         (ortbridge.exporter.dims, "rename")):
         timer.wrap(owner, attr, "post-processing")
@@ -217,7 +218,7 @@ def capture_timer() -> PhaseTimer:
     timer.wrap(graph.OnnxGraph, "__init__", "{graph} FX rewrite")
     timer.wrap(torch.export, "export", "{graph} torch.export", absorbed_by=("{graph} fallback",))
     timer.wrap(fallback, "exportable", "{graph} fallback")
-    timer.wrap(torch.onnx, "export", "{graph} torch.onnx.export")
+    timer.wrap(fallback, "to_onnx", "{graph} ONNX translation")
     timer.wrap(graph, "_spread_gradient_outputs", "{graph} post-processing")
     timer.wrap(graph, "name_nodes", "{graph} post-processing")
     timer.wrap(ortbridge.runtime.InferenceSession, "__init__", "{graph} session creation")
@@ -225,7 +226,7 @@ def capture_timer() -> PhaseTimer:
 
 
 CAPTURE_PHASES = ["record", "AOTAutograd"] + [
-    f"{g} {p}" for g in ("fw", "bw") for p in ("FX rewrite", "torch.export", "fallback", "torch.onnx.export",
+    f"{g} {p}" for g in ("fw", "bw") for p in ("FX rewrite", "torch.export", "fallback", "ONNX translation",
                                                "post-processing", "session glue", "session creation")]
 
 

@@ -10,6 +10,7 @@ translates it as torch.onnx.export(dynamo=True) would, without decomposing it a 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
@@ -125,33 +126,40 @@ def to_onnx(program: torch.export.ExportedProgram, opset_version: int | None = N
     opset_version=opset_version) writes (optimized), with ortbridge's one copy of torch's ONNX
     translations and without decomposing the program again."""
     opset_version, registry_opset = _opsets(opset_version)
-    steps = _translation_steps()
-    if steps is None:  # (this torch's private steps differ: its public export, which decomposes again)
+    exporter = _torch_exporter()
+    if exporter.export is None:  # (the public export, which builds its own translations)
         return torch.onnx.export(program, (), dynamo=True, opset_version=opset_version, verbose=False).model_proto
-    # torch.onnx.export's steps after its decomposition (torch/onnx/_internal/exporter/_core.py export).
+    registry = _onnx_registry(registry_opset)
+    if exporter.translate is None:  # (torch's export, which decomposes again)
+        return exporter.export(program, registry=registry, opset_version=opset_version, verbose=False).model_proto
+    # torch's export of an ExportedProgram after its decomposition (_core.export).
     with torch.fx.experimental._config.patch(backed_size_oblivious=True):
-        steps.insert_type_promotion_nodes(program.graph_module)
-        steps.remove_assertion_nodes(program.graph_module)
-    onnx_program = steps.translate(program, registry=_onnx_registry(registry_opset))
-    onnx_program.model = steps.convert_version(onnx_program.model, opset_version)
+        exporter.insert_type_promotion_nodes(program.graph_module)
+        exporter.remove_assertion_nodes(program.graph_module)
+    onnx_program = exporter.translate(program, registry=registry)
+    onnx_program.model = exporter.convert_version(onnx_program.model, opset_version)
     onnx_program.optimize()
     return onnx_program.model_proto
 
 
 @functools.cache
-def _translation_steps():
-    """torch's private functions to_onnx calls, or None where this torch lacks one of them, or
-    its translation does not take a registry."""
-    try:
+def _torch_exporter() -> types.SimpleNamespace:
+    """The private functions of torch's exporter that to_onnx calls. `export` (torch.onnx.export's
+    own call) and `translate` (with the steps around it, from _core.export's code) are None where
+    this torch lacks them, or their `registry` parameter."""
+    def taking_registry(function):
+        return function if "registry" in inspect.signature(function).parameters else None
+
+    exporter = types.SimpleNamespace(export=None, translate=None)
+    with contextlib.suppress(ImportError, AttributeError):  # (in order: `translate` last, with all it needs)
         from torch.onnx._internal.exporter import _core, _fx_passes
 
-        steps = types.SimpleNamespace(insert_type_promotion_nodes=_fx_passes.insert_type_promotion_nodes,
-                                      remove_assertion_nodes=_fx_passes.remove_assertion_nodes,
-                                      translate=_core._exported_program_to_onnx_program,
-                                      convert_version=_core.onnxscript_apis.convert_version)
-    except (ImportError, AttributeError):
-        return None
-    return steps if "registry" in inspect.signature(steps.translate).parameters else None
+        exporter.export = taking_registry(_core.export)
+        exporter.insert_type_promotion_nodes = _fx_passes.insert_type_promotion_nodes
+        exporter.remove_assertion_nodes = _fx_passes.remove_assertion_nodes
+        exporter.convert_version = _core.onnxscript_apis.convert_version
+        exporter.translate = taking_registry(_core._exported_program_to_onnx_program)
+    return exporter
 
 
 def _layout(args: tuple, kwargs: dict) -> tuple[tuple, tuple, list]:
