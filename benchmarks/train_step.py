@@ -40,7 +40,6 @@ import sys
 import torch
 
 import ortbridge
-from ortbridge.training.graph import default_session_options
 from common import medians, versions
 
 F = torch.nn.functional
@@ -176,6 +175,8 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     options = {}
     if args.ort_threads:
+        from ortbridge.training.graph import default_session_options
+
         options["session_options"] = default_session_options()
         options["session_options"].intra_op_num_threads = args.ort_threads
     cases = [("Block", block_case, (8, 16, 64)), ("CNN", cnn_case, (8, 32))]

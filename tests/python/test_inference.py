@@ -72,10 +72,11 @@ class Transposed(torch.autograd.Function):
         raise NotImplementedError
 
 
-def test_non_contiguous_outputs():
-    x = np.arange(24, dtype=np.float32).reshape(4, 6)
+@pytest.mark.parametrize("shape", [(4, 6), (1024, 600)])  # (from 1 MiB torch copies the outputs)
+def test_non_contiguous_outputs(shape):
+    x = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
     node = python_op(Transposed, [T("x", TP.FLOAT, 2)], [(TP.FLOAT, 2)] * 3, out_names=["a", "b", "c"])
-    sess = session(model([node], [value("x", TP.FLOAT, [4, 6])], [value("a"), value("b"), value("c")]))
+    sess = session(model([node], [value("x", TP.FLOAT, list(shape))], [value("a"), value("b"), value("c")]))
     got = sess.run(None, {"x": x})
     for g, e in zip(got, Transposed.apply(torch.from_numpy(x))):
         np.testing.assert_array_equal(g, e.contiguous().numpy())

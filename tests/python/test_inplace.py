@@ -63,17 +63,18 @@ def test_undeclared_in_place_write_is_refused(double):
     np.testing.assert_array_equal(z, np.full(8, -2, np.float32))
 
 
-def test_declared_in_place_write_on_a_buffer_ort_keeps_works_on_a_copy(double):
+@pytest.mark.parametrize("size", [8, 1 << 19])  # (from 1 MiB torch makes the copy)
+def test_declared_in_place_write_on_a_buffer_ort_keeps_works_on_a_copy(double, size):
     # A graph input, and a value another node reads too: ORT keeps those buffers, so the
     # Function updates a copy of its input in the output's buffer.
     node = python_op(DoubleInPlace, [T("x")], [(TP.FLOAT, 1)], out_names=["y"], tensor_reuse_map=[-1, 0])
     shared = helper.make_node("Neg", ["x"], ["n"])
-    sess = session(model([node, shared], [value("x", shape=[8])], [value("y"), value("n")]))
-    x = np.arange(8, dtype=np.float32)
+    sess = session(model([node, shared], [value("x", shape=[size])], [value("y"), value("n")]))
+    x = np.arange(size, dtype=np.float32)
     y, n = sess.run(None, {"x": x})
-    np.testing.assert_array_equal(y, 2 * np.arange(8))
-    np.testing.assert_array_equal(n, -np.arange(8))  # Neg saw the input as it was
-    np.testing.assert_array_equal(x, np.arange(8))  # and the caller's array is untouched
+    np.testing.assert_array_equal(y, 2 * np.arange(size))
+    np.testing.assert_array_equal(n, -np.arange(size))  # Neg saw the input as it was
+    np.testing.assert_array_equal(x, np.arange(size))  # and the caller's array is untouched
 
 
 def test_in_place_write_without_returning_the_input_is_refused(double):
@@ -96,13 +97,14 @@ class FreshAndView(torch.autograd.Function):
         return a * 10 + b
 
 
-def test_outputs_are_written_so_that_a_reused_buffer_is_read_first():
+@pytest.mark.parametrize("size", [4, 1 << 19])
+def test_outputs_are_written_so_that_a_reused_buffer_is_read_first(size):
     nodes = [helper.make_node("Relu", ["x"], ["r"]),
              python_op(FreshAndView, [T("r")], [(TP.FLOAT, 1)] * 2, out_names=["a", "b"],
                        tensor_reuse_map=[-1, 0, -1]),
              helper.make_node("Neg", ["a"], ["na"]), helper.make_node("Neg", ["b"], ["nb"])]
-    sess = session(model(nodes, [value("x", shape=[4])], [value("na"), value("nb")]))
-    x = np.arange(4, dtype=np.float32)
+    sess = session(model(nodes, [value("x", shape=[size])], [value("na"), value("nb")]))
+    x = np.arange(size, dtype=np.float32)
     na, nb = sess.run(None, {"x": x})
     np.testing.assert_array_equal(na, -10 * x)
     np.testing.assert_array_equal(nb, -x)

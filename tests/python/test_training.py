@@ -301,6 +301,9 @@ def test_batch_norm_and_dropout_buffers_and_eval_mode():
     wrapped = train_like_eager(model)
     torch.testing.assert_close(wrapped.module.norm.running_mean, model.norm.running_mean)
     torch.testing.assert_close(wrapped.module.norm.running_var, model.norm.running_var)
+    # Training batch norm runs in PyTorch, one node each way (not ~60 small ONNX nodes).
+    assert {("PythonOp", "aten::_native_batch_norm_legit_functional.default"),
+            ("PythonOp", "aten::native_batch_norm_backward.default")} <= _python_op_names(wrapped)
     model.drop.p = wrapped.module.drop.p = 0.5
     model.eval()
     wrapped.eval()
