@@ -66,27 +66,7 @@ import ortbridge.exporter
 import ortbridge.exporter.dims
 from common import versions
 from ortbridge.core import fallback, record
-from train_step import cnn_case, trainer
-
-F = torch.nn.functional
-
-
-@ortbridge.register(name="ortbridge_bench.BiasGelu")
-class BiasGelu(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, bias):
-        ctx.save_for_backward(x, bias)
-        return F.gelu(x + bias)
-
-    @staticmethod
-    def backward(ctx, g):
-        x, bias = ctx.saved_tensors
-        y = x + bias
-        cdf = 0.5 * (1 + torch.erf(y * 0.7071067811865476))
-        pdf = torch.exp(-0.5 * y * y) * 0.3989422804014327
-        gy = g * (cdf + y * pdf)
-        return gy, gy.reshape(-1, gy.shape[-1]).sum(0)
-
+from train_step import BiasGelu, cnn_case, trainer
 
 class Layer(torch.nn.Module):
     def __init__(self, width: int):
@@ -183,7 +163,7 @@ def export_once(calls: int, training: bool) -> tuple[float, dict, str | None]:
     options.intra_op_num_threads = torch.get_num_threads()
     with export_timer() as timer:
         started = time.perf_counter()
-        proto = ortbridge.export(model, (x,), training=training)
+        proto = ortbridge.export(model, (x,), training=training, all_functions=True)
         session = ortbridge.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
         total = time.perf_counter() - started
     y, *contexts = session.run(None, {session.get_inputs()[0].name: x.numpy()})
@@ -268,6 +248,22 @@ def report(title: str, phases: list, runs: list, cold: float | None) -> None:
     print(f"  largest phase: {name} ({seconds / total:.1%})")
 
 
+def repeated(once, warmups: int, repeats: int, what: str):
+    """(the timed runs' (total, phase times), the last warm-up's total) of `once`, or None (said
+    why) when a run's result was wrong."""
+    runs, cold = [], None
+    for k in range(warmups + repeats):
+        total, times, wrong = once()
+        if wrong:
+            print(f"{what}: {wrong}")
+            return None
+        if k < warmups:
+            cold = total
+        else:
+            runs.append((total, times))
+    return runs, cold
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
@@ -288,33 +284,20 @@ def main() -> int:
 
     warmups = 0 if args.quick else 1  # the process's first run of a case, not in the median
     for training in (False, True):
-        runs, cold = [], None
-        for k in range(warmups + repeats):
-            total, times, wrong = export_once(calls, training)
-            if wrong:
-                print(f"export of {calls} Function calls (training={training}): {wrong}")
-                return 1
-            if k < warmups:
-                cold = total
-            else:
-                runs.append((total, times))
+        timed = repeated(lambda: export_once(calls, training), warmups, repeats,
+                         f"export of {calls} Function calls (training={training})")
+        if timed is None:
+            return 1
         report(f"ortbridge.export of {calls} Function calls, {'training' if training else 'inference'}, "
-               "+ InferenceSession", EXPORT_PHASES, runs, cold)
+               "+ InferenceSession", EXPORT_PHASES, *timed)
 
     torch.manual_seed(0)
     model, x, y, loss_fn, size = cnn_case(*shape)
     eager_loss = trainer(copy.deepcopy(model), x, y, loss_fn)()
-    runs, cold = [], None
-    for k in range(warmups + repeats):
-        total, times, wrong = capture_once(shape, args.steady, eager_loss)
-        if wrong:
-            print(f"CNN {size}: {wrong}")
-            return 1
-        if k < warmups:
-            cold = total
-        else:
-            runs.append((total, times))
-    report(f"OrtModule capture of the CNN, {size}, first step less a steady step", CAPTURE_PHASES, runs, cold)
+    timed = repeated(lambda: capture_once(shape, args.steady, eager_loss), warmups, repeats, f"CNN {size}")
+    if timed is None:
+        return 1
+    report(f"OrtModule capture of the CNN, {size}, first step less a steady step", CAPTURE_PHASES, *timed)
     if ortbridge.context_pool_size() != 0:
         print(f"{ortbridge.context_pool_size()} autograd contexts left alive")
         return 1

@@ -10,12 +10,15 @@ import pytest
 BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
 
 
-@pytest.mark.parametrize("script, args", [("overhead.py", ["--quick"]),
-                                          ("zero_copy.py", ["--quick", "--max-size", "1M"]),
-                                          ("train_step.py", ["--quick"]),
-                                          ("onnx_train_step.py", ["--quick"])])
-def test_benchmark_runs(script, args):
+@pytest.mark.parametrize("script, args, marker", [
+    ("overhead.py", ["--quick"], "ratio"),
+    ("zero_copy.py", ["--quick", "--max-size", "1M"], "/tc"),
+    ("train_step.py", ["--quick"], "ratio"),
+    ("onnx_train_step.py", ["--quick"], "ratio"),
+    ("capture_time.py", ["--quick"], "largest phase"),
+    ("step_memory.py", ["--quick", "--models", "Block", "--variants", "eager,OrtModule"], "xpeak")])
+def test_benchmark_runs(script, args, marker):
     proc = subprocess.run([sys.executable, os.path.join(BENCHMARKS, script), *args],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "ratio" in proc.stdout or "/tc" in proc.stdout
+    assert marker in proc.stdout
