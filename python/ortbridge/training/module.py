@@ -66,7 +66,7 @@ class OrtModule(torch.nn.Module):
             leaves, spec = args, len(args)
         else:
             leaves, spec = pytree.tree_flatten((args, kwargs))
-        if self._parameters_seen is None:  # (those a capture takes: it holds these objects)
+        if self._parameters_seen is None:  # (the module's parameters at its first call: captures hold these)
             self._parameters_seen = list(self.module.parameters())
         key = (self.module.training, torch.is_grad_enabled(), spec,
                tuple(_signature(x, self.dynamic) for x in leaves),
