@@ -85,7 +85,7 @@ TensorView KernelOutputs::Write(size_t index, PyObject* capsule, int64_t type, i
   out.data = AllocateOutput(api_, context_, index, out.shape, type);
   if (out.data == t.data() && t.compact()) {
     g_skipped_copies.fetch_add(1, std::memory_order_relaxed);  // the Function wrote into ORT's buffer
-  } else if (placement_.via_torch() || static_cast<size_t>(t.element_count()) * t.element_size() >= kTorchCopyBytes) {
+  } else if (CopiedByTorch(static_cast<size_t>(t.element_count()) * t.element_size())) {
     TorchCopy(runner_, out.data, t);  // queued on the stream: t's memory stays valid (see device.h)
   } else {
     t.CopyTo(out.data);  // also a view of that buffer (a transpose, a slice): it may overlap
@@ -103,13 +103,18 @@ size_t ByteSize(const TensorMeta& meta) {
 
 }  // namespace
 
+bool KernelOutputs::CopiedByTorch(size_t bytes) const {
+  return placement_.via_torch() || bytes >= kTorchCopyBytes;
+}
+
 void KernelOutputs::Redirect(size_t index, TensorView* input) {
   void* buffer = AllocateOutput(api_, context_, index, input->shape, input->elem_type);
   if (buffer == input->data) return;
-  if (placement_.via_torch() || ByteSize(*input) >= kTorchCopyBytes) {
+  const size_t bytes = ByteSize(*input);
+  if (CopiedByTorch(bytes)) {
     TorchCopy(runner_, buffer, *input, placement_.device);
   } else {
-    std::memcpy(buffer, input->data, ByteSize(*input));
+    std::memcpy(buffer, input->data, bytes);
   }
   input->data = buffer;
 }

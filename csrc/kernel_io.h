@@ -50,6 +50,9 @@ class KernelOutputs {
   void Scalar(size_t index, int64_t value);
 
  private:
+  // Whether torch makes a copy of `bytes`: always off the CPU; on it, large ones.
+  bool CopiedByTorch(size_t bytes) const;
+
   const OrtApi& api_;
   OrtKernelContext* context_;
   const Placement& placement_;

@@ -43,8 +43,7 @@ log = logging.getLogger("ortbridge")
 # got other shapes than torch's.)
 _DECOMPOSITIONS = torch._decomp.get_decompositions([aten._native_batch_norm_legit, aten.native_batch_norm,
                                                     aten.nll_loss_forward])
-_batch_norm_backward = torch._decomp.get_decompositions([aten.native_batch_norm_backward])
-_batch_norm_backward = _batch_norm_backward[aten.native_batch_norm_backward.default]
+_batch_norm_backward = torch._decomp.decomposition_table[aten.native_batch_norm_backward.default]
 
 
 def _eval_batch_norm_backward(grad, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps,
