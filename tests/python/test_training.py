@@ -348,11 +348,28 @@ def test_forward_only_loops_keep_no_contexts():
     assert ortbridge.context_pool_size() == 0
 
 
+def _heap_in_use() -> int:
+    """Bytes glibc's malloc has handed out and not had back, over all arenas and mmapped blocks:
+    exact, where RSS also counts freed pages the allocator keeps and pages other tests left."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in
+                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    mallinfo2 = getattr(ctypes.CDLL(None), "mallinfo2", None)
+    if mallinfo2 is None:
+        pytest.skip("needs glibc 2.33's mallinfo2 to read the heap in use")
+    mallinfo2.restype = MallInfo2
+    info = mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
 def test_thousand_steps_keep_memory_flat():
     psutil = pytest.importorskip("psutil", reason="psutil (the test extra) measures process memory")
     wrapped = _bias_gelu_model()
     opt = torch.optim.AdamW(wrapped.parameters())
-    x = torch.randn(64, 4)
+    x = torch.randn(64, 4)  # one step's activations are ~1.5 KiB: a leak of one of them fails
 
     def steps(n):
         for _ in range(n):
@@ -361,14 +378,25 @@ def test_thousand_steps_keep_memory_flat():
             opt.zero_grad()
             assert ortbridge.context_pool_size() == 0
 
-    steps(100)  # warm up: capture, allocator pools
-    gc.collect()
-    before, objects = psutil.Process().memory_info().rss, len(gc.get_objects())
+    def measure():
+        gc.collect()
+        return (_heap_in_use(), psutil.Process().memory_info().rss, len(gc.get_objects()),
+                sys.getallocatedblocks())
+
+    steps(200)  # warm up: capture, allocator pools, ORT's arena
+    start = measure()
     steps(1000)
-    gc.collect()
-    grown = psutil.Process().memory_info().rss - before
-    assert grown < 8 * 2 ** 20, f"RSS grew by {grown / 2 ** 20:.1f} MiB over 1,000 steps"
-    assert len(gc.get_objects()) - objects < 500
+    middle = measure()
+    steps(1000)
+    end = measure()
+    # A leak grows every window alike; warm-up (pools filling, pages of a heap other tests left
+    # touched again) shows in the first only. The heap in use and Python's allocated blocks are
+    # exact; RSS is the check that nothing outside malloc grows.
+    heap, rss, objects, blocks = ([b[i] - a[i] for a, b in ((start, middle), (middle, end))] for i in range(4))
+    print(f"per 1,000 steps: heap in use +{heap} B, RSS +{rss} B, gc objects +{objects}, Python blocks +{blocks}")
+    assert heap[1] < 512 * 1000, f"the heap in use grew by {heap} bytes per 1,000 steps"
+    assert blocks[1] < 100 and objects[1] < 100, f"Python blocks +{blocks}, objects +{objects} per 1,000 steps"
+    assert rss[1] < 4 * 2 ** 20, f"RSS grew by {[r / 2 ** 20 for r in rss]} MiB per 1,000 steps"
 
 
 # --- capture ----------------------------------------------------------------------------------
