@@ -26,9 +26,12 @@ Before timing, each wrapped copy must give eager's loss at the first step (graph
 then, outside the timing). The table gives the median step time over --repeats repeats and the
 ratio to eager from the same run (lower is better; 1.0 = as fast as eager). ONNX Runtime and
 torch use their default thread counts (torch's; OrtModule gives ONNX Runtime as many), or
---threads for both. On a machine whose cores are busy with other work, use --threads 1: a
-parallel region waits for each of its threads to be scheduled, which can make steps many
-times slower than on an idle machine.
+--threads for both; --ort-threads for ONNX Runtime alone. --in-pytorch convolution,... adds a
+fourth copy, OrtModule with those aten operators (their .default overloads) run in PyTorch as
+fallback nodes, as fallback.PYTORCH_PREFERRED has training batch norm run: the A/B, in the same
+run, for choosing a fallback by measurement. On a machine whose cores are busy with other work,
+use --threads 1: a parallel region waits for each of its threads to be scheduled, which can
+make steps many times slower than on an idle machine.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import sys
 import torch
 
 import ortbridge
+from ortbridge.core import fallback
 from common import medians, versions
 
 F = torch.nn.functional
@@ -170,7 +174,14 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="one small shape per model, few repeats (a smoke test)")
     parser.add_argument("--threads", type=int, help="torch's (and so ONNX Runtime's) thread count")
     parser.add_argument("--ort-threads", type=int, help="ONNX Runtime's intra-op thread count (default: OrtModule's)")
+    parser.add_argument("--in-pytorch", default="", metavar="OPS",
+                        help="comma-separated aten operators to run in PyTorch (fallback nodes), e.g. convolution")
     args = parser.parse_args()
+    try:
+        in_pytorch = {getattr(torch.ops.aten, op).default
+                      for op in filter(None, map(str.strip, args.in_pytorch.split(",")))}
+    except (AttributeError, RuntimeError) as e:
+        parser.error(f"--in-pytorch {args.in_pytorch}: not aten operators ({e})")
     if args.threads:
         torch.set_num_threads(args.threads)
     options = {}
@@ -186,8 +197,10 @@ def main() -> int:
     repeats, target = (3, 0.05) if args.quick else (args.repeats, args.target)
     print(versions())
     print(f"torch threads {torch.get_num_threads()}; ONNX Runtime intra-op threads "
-          f"{args.ort_threads or 'as torch'}; median of {repeats} repeats\n")
-    print(f"{'model':>5} {'size':>18} {'eager ms':>9} {'OrtModule ms':>13} {'ratio':>6} {'compile ms':>11} {'ratio':>6}")
+          f"{args.ort_threads or 'as torch'}; median of {repeats} repeats"
+          f"{'; in PyTorch: ' + args.in_pytorch if args.in_pytorch else ''}\n")
+    print(f"{'model':>5} {'size':>18} {'eager ms':>9} {'OrtModule ms':>13} {'ratio':>6} {'compile ms':>11} {'ratio':>6}"
+          + (f" {'+in PyTorch ms':>15} {'ratio':>6}" if in_pytorch else ""))
     for name, case, shape in cases:
         torch.manual_seed(0)
         model, x, y, loss_fn, size = case(*shape)
@@ -196,13 +209,21 @@ def main() -> int:
             copy.deepcopy(model), ortbridge.OrtModule(copy.deepcopy(model), **options),
             torch.compile(copy.deepcopy(model), backend="ortbridge", options=options))]
         first = [s() for s in steps]  # captures the graphs
-        for wrapper, loss in zip(("OrtModule", "compile"), first[1:]):
+        if in_pytorch:  # (captured with those operators preferred in PyTorch; the set restored after)
+            steps.append(trainer(ortbridge.OrtModule(copy.deepcopy(model), **options), x, y, loss_fn))
+            added = in_pytorch - fallback.PYTORCH_PREFERRED
+            fallback.PYTORCH_PREFERRED.update(added)
+            try:
+                first.append(steps[-1]())
+            finally:
+                fallback.PYTORCH_PREFERRED.difference_update(added)
+        for wrapper, loss in zip(("OrtModule", "compile", "OrtModule +in PyTorch"), first[1:]):
             if not torch.allclose(loss, first[0], rtol=1e-4, atol=1e-6):
                 print(f"{name} {size}: {wrapper} loss {loss.item()} differs from eager's {first[0].item()}")
                 return 1
-        eager, ort_module, compiled = (t * 1e3 for t in medians(steps, repeats, target, warmup=3))
-        print(f"{name:>5} {size:>18} {eager:9.3f} {ort_module:13.3f} {ort_module / eager:6.2f} "
-              f"{compiled:11.3f} {compiled / eager:6.2f}")
+        eager, *wrapped = (t * 1e3 for t in medians(steps, repeats, target, warmup=3))
+        print(f"{name:>5} {size:>18} {eager:9.3f}" + "".join(
+            f" {t:{w}.3f} {t / eager:6.2f}" for t, w in zip(wrapped, (13, 11, 15))))
     assert ortbridge.context_pool_size() == 0
     return 0
 

@@ -354,8 +354,8 @@ def _heap_in_use() -> int:
     import ctypes
 
     class MallInfo2(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in
-                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                         "fsmblks", "uordblks", "fordblks", "keepcost")]
 
     mallinfo2 = getattr(ctypes.CDLL(None), "mallinfo2", None)
     if mallinfo2 is None:
@@ -390,12 +390,14 @@ def test_thousand_steps_keep_memory_flat():
     steps(1000)
     end = measure()
     # A leak grows every window alike; warm-up (pools filling, pages of a heap other tests left
-    # touched again) shows in the first only. The heap in use and Python's allocated blocks are
-    # exact; RSS is the check that nothing outside malloc grows.
+    # touched again) shows in the first only. The heap in use is exact; Python's allocated blocks
+    # count the small objects it keeps outside malloc; RSS, anything else.
     heap, rss, objects, blocks = ([b[i] - a[i] for a, b in ((start, middle), (middle, end))] for i in range(4))
     print(f"per 1,000 steps: heap in use +{heap} B, RSS +{rss} B, gc objects +{objects}, Python blocks +{blocks}")
     assert heap[1] < 512 * 1000, f"the heap in use grew by {heap} bytes per 1,000 steps"
-    assert blocks[1] < 100 and objects[1] < 100, f"Python blocks +{blocks}, objects +{objects} per 1,000 steps"
+    # (Python's blocks include its free lists and caches, which move by a few hundred; a leak of
+    # one object a step adds a thousand or more.)
+    assert blocks[1] < 500 and objects[1] < 100, f"Python blocks +{blocks}, objects +{objects} per 1,000 steps"
     assert rss[1] < 4 * 2 ** 20, f"RSS grew by {[r / 2 ** 20 for r in rss]} MiB per 1,000 steps"
 
 
