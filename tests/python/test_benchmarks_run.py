@@ -13,7 +13,7 @@ BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
 @pytest.mark.parametrize("script, args, marker", [
     ("overhead.py", ["--quick"], "ratio"),
     ("zero_copy.py", ["--quick", "--max-size", "1M"], "/tc"),
-    ("train_step.py", ["--quick"], "ratio"),
+    ("train_step.py", ["--quick", "--in-pytorch", "convolution"], "+in PyTorch ms"),
     ("onnx_train_step.py", ["--quick"], "ratio"),
     ("capture_time.py", ["--quick"], "largest phase"),
     ("step_memory.py", ["--quick", "--models", "Block", "--variants", "eager,OrtModule"], "xpeak")])
