@@ -456,6 +456,35 @@ def test_state_dict_and_attributes_are_the_module_s():
     _assert_close(wrapped(x), other.module(x), "after load_state_dict")
 
 
+def test_replaced_parameters_and_layers_are_captured_again():
+    # The captured graphs hold the module's parameters: a layer replaced after the first call, or
+    # parameters loaded by assignment, must be the ones the next steps use and train.
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 6)
+            self.bias = torch.nn.Parameter(torch.randn(6))
+
+        def forward(self, x):
+            return tf.BiasGelu.apply(self.lin(x), self.bias)
+
+    torch.manual_seed(0)
+    wrapped = ortbridge.OrtModule(Net())
+    x = torch.randn(5, 4)
+    wrapped(x).sum().backward()
+    wrapped.module.lin = torch.nn.Linear(4, 6)
+    eager = copy.deepcopy(wrapped.module)
+    out = wrapped(x)
+    _assert_close(out, eager(x), "after the layer was replaced")
+    out.sum().backward()
+    eager(x).sum().backward()
+    _assert_close(wrapped.module.lin.weight.grad, eager.lin.weight.grad, "the new layer's gradient")
+    state = {k: v + 1 for k, v in wrapped.state_dict().items()}
+    wrapped.load_state_dict(state, assign=True)
+    eager.load_state_dict(state, assign=True)
+    _assert_close(wrapped(x), eager(x), "after load_state_dict(assign=True)")
+
+
 def test_only_registered_functions_with_all_functions_false():
     torch.manual_seed(0)
     model = Apply(lambda m, h: tf.SiLUSavingInput.apply(h))

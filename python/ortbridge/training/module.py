@@ -9,11 +9,25 @@ import time
 
 import onnxruntime as ort
 import torch
+import torch.nn.modules.module as nn_module
 import torch.utils._pytree as pytree
 
 from .capture import Capture
 
 log = logging.getLogger("ortbridge")
+
+# Bumped whenever any module gains or replaces a parameter, buffer or submodule: OrtModule walks
+# its module's parameters and buffers again only then, not on every call.
+_registrations = [0]
+
+
+def _registered(*args) -> None:
+    _registrations[0] += 1
+
+
+for _hook in (nn_module.register_module_parameter_registration_hook,
+              nn_module.register_module_buffer_registration_hook, nn_module.register_module_module_registration_hook):
+    _hook(_registered)
 
 
 def _signature(leaf, dynamic: bool) -> object:
@@ -33,7 +47,8 @@ class OrtModule(torch.nn.Module):
     `.grad` work as in eager mode.
 
     A graph is captured for each signature of the arguments (tensor dtypes, shapes, devices and
-    requires_grad; other values), train/eval mode and grad mode, on first use. With
+    requires_grad; other values), train/eval mode and grad mode, on first use, and again once the
+    module's parameters or buffers are other tensors (a layer replaced, load_state_dict(assign=True)). With
     `dynamic=True` tensor sizes are symbols instead: a capture serves every call with sizes that
     meet the relations its trace relied on (sizes 0 and 1 are specialized, as torch does). Under
     torch.no_grad (or when nothing needs a gradient) an inference graph runs, which keeps no
@@ -59,18 +74,19 @@ class OrtModule(torch.nn.Module):
         self.options = {"session_options": session_options, "providers": providers,
                         "save_graphs": os.fspath(save_graphs) if save_graphs is not None else None}
         self._captures: dict = {}  # signature -> the captures made for it
-        self._parameters_seen: list | None = None
+        self._state: tuple = ((), ())  # the module's parameters and buffers, which the captures hold
+        self._state_registrations = None  # _registrations when _state was read
 
     def forward(self, *args, **kwargs):
         if not kwargs and all(type(x) is torch.Tensor for x in args):  # (no pytree walk: most calls)
             leaves, spec = args, len(args)
         else:
             leaves, spec = pytree.tree_flatten((args, kwargs))
-        if self._parameters_seen is None:  # (the module's parameters at its first call: captures hold these)
-            self._parameters_seen = list(self.module.parameters())
+        if self._state_registrations != _registrations[0]:
+            self._check_state()
         key = (self.module.training, torch.is_grad_enabled(), spec,
                tuple(_signature(x, self.dynamic) for x in leaves),
-               tuple(p.requires_grad for p in self._parameters_seen))
+               tuple(p.requires_grad for p in self._state[0]))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         captures = self._captures.setdefault(key, [])
         capture = next((c for c in captures if c.accepts(tensors)), None)
@@ -82,6 +98,15 @@ class OrtModule(torch.nn.Module):
             log.info("captured %s in %.2f s", name, time.perf_counter() - started)
             captures.append(capture)
         return capture(tensors)
+
+    def _check_state(self) -> None:
+        """Drops the captures when the module's parameters or buffers are other tensors than those
+        they hold (a layer replaced, load_state_dict(assign=True))."""
+        state = (list(self.module.parameters()), list(self.module.buffers()))
+        if any(len(now) != len(then) or any(a is not b for a, b in zip(now, then))
+               for now, then in zip(state, self._state)):
+            self._captures.clear()
+        self._state, self._state_registrations = state, _registrations[0]
 
     # The wrapped module's names, as ORTModule gave them: optimizer parameter groups and
     # checkpoints written for the bare module work unchanged.
@@ -108,9 +133,6 @@ class OrtModule(torch.nn.Module):
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        if assign:  # new Parameter objects: the captured graphs hold the old ones
-            self._captures.clear()
-            self._parameters_seen = None
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def __getattr__(self, name: str):
