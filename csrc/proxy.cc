@@ -55,6 +55,25 @@ py::module_ Runner() {
   return runner.call_once_and_store_result([] { return py::module_::import("ortbridge._runner"); }).get_stored();
 }
 
+const TorchCalls& Torch() {
+  PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<TorchCalls> torch;
+  return torch
+      .call_once_and_store_result([] {
+        py::module_ runner = Runner();
+        TorchCalls calls;
+        calls.from_dlpack = runner.attr("_from_dlpack");
+        calls.to_dlpack = runner.attr("_to_dlpack");
+        calls.is_grad_enabled = runner.attr("_is_grad_enabled");
+        calls.set_grad_enabled = runner.attr("_set_grad_enabled");
+        calls.functorch_active = runner.attr("_functorch_active");
+        calls.tensor_type = reinterpret_cast<PyTypeObject*>(runner.attr("torch").attr("Tensor").ptr());
+        calls.is_cpu = py::str("is_cpu");
+        calls.version = py::str("_version");
+        return calls;
+      })
+      .get_stored();
+}
+
 std::string FormatPythonError(const py::error_already_set& error) {
   try {
     return Runner().attr("format_exception")(error.value()).cast<std::string>();

@@ -70,6 +70,15 @@ void RequirePython();
 // ortbridge._runner, imported on first use.
 py::module_ Runner();
 
+// The torch calls a kernel makes itself (ortbridge._runner's, looked up once) and the names it
+// reads off tensors.
+struct TorchCalls {
+  py::object from_dlpack, to_dlpack, is_grad_enabled, set_grad_enabled, functorch_active;
+  PyTypeObject* tensor_type = nullptr;
+  py::str is_cpu, version;
+};
+const TorchCalls& Torch();
+
 // "ExceptionType: message" followed by the Python traceback.
 std::string FormatPythonError(const py::error_already_set& error);
 

@@ -2,6 +2,7 @@
 // context id (0 when training_mode=0); outputs 1.. are the Function's outputs.
 #include <algorithm>
 #include <memory>
+#include <optional>
 
 #include "custom_op.h"
 #include "python_kernel.h"
@@ -20,6 +21,10 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
 
   PythonOpKernel(const OrtApi& api, const std::string& node, ForwardLayout layout)
       : PythonKernel(api, kName, node, std::move(layout)) {}
+  ~PythonOpKernel() {
+    ReleasePython(direct_.call);
+    ReleasePython(direct_.args);
+  }
 
   static OrtStatus* Create(const OrtApi& api, const OrtKernelInfo* info, Backend backend, void** out) {
     return PythonKernel::Create<PythonOpKernel>(api, info, backend, out);
@@ -45,7 +50,7 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
           }
         }
         // (autograd context or None, output capsules..., [indices of inputs modified in place])
-        py::tuple result = run_(BorrowInputs(inputs, placement_.device));
+        py::tuple result = direct_.call ? CallDirect(inputs) : run_(BorrowInputs(inputs, placement_.device));
         const size_t n = layout_.output_tensor_types.size();
         if (result.size() != n + 1 && result.size() != n + 2) {
           throw std::logic_error("the runner returned a result of the wrong length");
@@ -117,10 +122,74 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
     }
   }
 
+  // The runner's `run` for an inference call, made here where ForwardNode.direct allows it: the
+  // Python around Function.apply in `run` costs about as much as the kernel's own work. Anything
+  // but plain CPU tensors out and unchanged inputs goes on to the runner's `result`, which
+  // checks and errors as `run` does. GIL held.
+  py::tuple CallDirect(const std::vector<TensorView>& inputs) {
+    const TorchCalls& torch = Torch();
+    if (torch.functorch_active().ptr() == Py_True) return run_(BorrowInputs(inputs, placement_.device));
+    const py::tuple capsules = BorrowInputs(inputs, placement_.device);
+    py::list tensors(capsules.size());
+    for (size_t i = 0; i < capsules.size(); ++i) tensors[i] = torch.from_dlpack(capsules[i]);
+    const size_t argument_count = PyTuple_GET_SIZE(direct_.args.ptr());
+    py::tuple args(argument_count);
+    for (size_t i = 0; i < argument_count; ++i) {
+      const int tensor = direct_.tensor_at[i];
+      PyObject* arg = tensor < 0 ? PyTuple_GET_ITEM(direct_.args.ptr(), i) : PyList_GET_ITEM(tensors.ptr(), tensor);
+      PyTuple_SET_ITEM(args.ptr(), i, py::handle(arg).inc_ref().ptr());
+    }
+    const bool grad_was_enabled = torch.is_grad_enabled().ptr() == Py_True;
+    if (grad_was_enabled) torch.set_grad_enabled(false);
+    PyObject* returned = PyObject_Call(direct_.call.ptr(), args.ptr(), nullptr);
+    std::optional<py::error_already_set> error;
+    if (!returned) error.emplace();  // (taken off the interpreter before grad mode is restored)
+    if (grad_was_enabled) torch.set_grad_enabled(true);
+    if (error) throw *error;
+    const auto outputs = py::reinterpret_steal<py::object>(returned);
+
+    const size_t n = layout_.output_tensor_types.size();
+    std::vector<PyObject*> items;
+    if (PyObject_TypeCheck(returned, torch.tensor_type)) {
+      items.push_back(returned);
+    } else if (PyTuple_CheckExact(returned)) {
+      for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(returned); ++i) items.push_back(PyTuple_GET_ITEM(returned, i));
+    }
+    auto plain_cpu_tensor = [&](PyObject* o) {
+      return PyObject_TypeCheck(o, torch.tensor_type) && py::handle(o).attr(torch.is_cpu).ptr() == Py_True;
+    };
+    auto unchanged = [&](py::handle t) { return t.attr(torch.version).cast<int64_t>() == 0; };
+    if (items.size() != n || !std::all_of(items.begin(), items.end(), plain_cpu_tensor) ||
+        !std::all_of(tensors.begin(), tensors.end(), unchanged)) {
+      return runner_.attr("result")(outputs, tensors);
+    }
+    py::tuple result(n + 1);
+    PyTuple_SET_ITEM(result.ptr(), 0, py::none().release().ptr());
+    for (size_t i = 0; i < n; ++i) PyTuple_SET_ITEM(result.ptr(), i + 1, torch.to_dlpack(py::handle(items[i])).release().ptr());
+    return result;
+  }
+
   bool context_id_output_ = true;  // whether output 0 has a value name
 
-  py::object MakeRunner(const std::string& device) const {  // GIL held
-    return Runner().attr("ForwardNode")(layout_, device);
+  // ForwardNode.direct: what CallDirect calls, its arguments (None in the tensor positions), and
+  // for each argument the index of its tensor input or -1. No call where `direct` is None.
+  struct {
+    py::object call;
+    py::object args;
+    std::vector<int> tensor_at;
+  } direct_;
+
+  py::object MakeRunner(const std::string& device) {  // GIL held
+    py::object runner = Runner().attr("ForwardNode")(layout_, device);
+    py::object direct = runner.attr("direct");
+    if (!direct.is_none()) {
+      direct_.args = direct[py::int_(1)];
+      direct_.tensor_at.assign(py::len(direct_.args), -1);
+      int tensor = 0;
+      for (py::handle position : direct[py::int_(2)]) direct_.tensor_at.at(position.cast<size_t>()) = tensor++;
+      direct_.call = direct[py::int_(0)];
+    }
+    return runner;
   }
 };
 

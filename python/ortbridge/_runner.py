@@ -178,6 +178,11 @@ class ForwardNode(_Node):
         self.updated = {i for _, i in layout.in_place}  # tensor inputs updated in place (tensor_reuse_map)
         self.training = layout.training_mode
         self.output_count = len(layout.output_tensor_types)
+        # An inference call on the CPU with no constant to copy the kernel makes itself, without
+        # `run` (python_op.cc, DirectCall): (what it calls, the arguments with None in the tensor
+        # positions, those positions); None where `run` is needed.
+        direct = not self.training and not self.mutable and self.on_cpu
+        self.direct = (self.fast_call or self.func.apply, tuple(args), tuple(self.tensor_positions)) if direct else None
 
     def run(self, capsules: tuple) -> tuple:
         """(autograd context or None, one capsule per output[, indices of inputs modified in place])."""
@@ -201,6 +206,12 @@ class ForwardNode(_Node):
                 _set_grad_enabled(grad_was_enabled)
             if training:
                 _pop_saved_hooks()
+        return self.result(outputs, tensors, borrowed if training else None)
+
+    def result(self, outputs, tensors: list, borrowed: set | None = None) -> tuple:
+        """What `run` returns, from the Function's outputs and its tensor inputs (`borrowed` in
+        training). The kernel's direct call ends here where it meets anything but plain CPU
+        tensors out and unchanged inputs."""
         if isinstance(outputs, torch.Tensor):
             outputs = (outputs,)
         elif type(outputs) is not tuple:
@@ -208,7 +219,7 @@ class ForwardNode(_Node):
         if len(outputs) != self.output_count:
             raise RuntimeError(f"{self.name}.forward returned {len(outputs)} outputs, but the node declares "
                                f"{self.output_count} (output_tensor_types)")
-        result = [self._context(outputs, borrowed) if training else None]
+        result = [self._context(outputs, borrowed) if borrowed is not None else None]
         on_cpu = self.on_cpu
         for i, o in enumerate(outputs):
             result.append(_to_dlpack(o) if on_cpu and isinstance(o, torch.Tensor) and o.is_cpu

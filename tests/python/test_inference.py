@@ -9,6 +9,7 @@ from onnx import TensorProto as TP
 from onnx import helper
 
 import ortbridge
+from ortbridge import _runner
 from conftest import NewStyle, T, model, python_op, session, value
 
 
@@ -195,3 +196,49 @@ def test_safe_run_mode_0_calls_forward_without_autograd(func):
         got.append(y)
     np.testing.assert_array_equal(got[0], x * 3)
     np.testing.assert_array_equal(got[1], got[0])
+
+
+@ortbridge.register
+class RecordsGradMode(torch.autograd.Function):
+    """Returns a list (not a tuple): the kernel's direct call hands it to the runner's checks."""
+
+    seen: list = []
+
+    @staticmethod
+    def forward(ctx, x, fail):
+        RecordsGradMode.seen.append(torch.is_grad_enabled())
+        if fail:
+            raise ValueError("asked to fail")
+        return [x + 1]
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def test_inference_call_runs_with_grad_mode_off_and_restores_it(monkeypatch):
+    # An inference call never reaches ForwardNode.run: the kernel calls the Function itself (what
+    # run would do, with its Python left out) and goes on to the runner's checks only for
+    # unusual results. With run disabled, such calls still work, and a training call does not.
+    def no_run(self, capsules):
+        raise AssertionError("ForwardNode.run was called")
+
+    monkeypatch.setattr(_runner.ForwardNode, "run", no_run)
+    x = np.arange(3, dtype=np.float32)
+    RecordsGradMode.seen.clear()
+    for fail in (False, True):
+        node = python_op(RecordsGradMode, [T("x"), fail], [(TP.FLOAT, 1)], out_names=["y"])
+        sess = session(model([node], [value("x", shape=[3])], [value("y")]))
+        with torch.enable_grad():
+            if fail:
+                with pytest.raises(Exception, match="ValueError: asked to fail"):
+                    sess.run(None, {"x": x})
+            else:
+                np.testing.assert_array_equal(sess.run(None, {"x": x})[0], x + 1)
+            assert torch.is_grad_enabled()
+    assert RecordsGradMode.seen == [False, False]
+    node = python_op(RecordsGradMode, [T("x", requires_grad=True), False], [(TP.FLOAT, 1)], out_names=["y"],
+                     training=True)
+    sess = session(model([node], [value("x", shape=[3])], [value("y")]))
+    with pytest.raises(Exception, match="ForwardNode.run was called"):
+        sess.run(None, {"x": x})
