@@ -34,6 +34,13 @@ ORT runs with intra_op_num_threads=1 and inter_op_num_threads=1, sequential exec
 uses torch.get_num_threads() (irrelevant for 16 elements). Before timing, every configuration
 checks that ORT's outputs equal eager's; at the end ortbridge.context_pool_size() must be 0.
 
+With the inference mode, a line splits an inference op: what it cannot do without, each part
+timed in the same run (ORT's dispatch of a native node, from a chain of K Neg nodes; a DLPack round
+trip in and out; the Function called as the kernel calls it: apply without torch's Python wrapper,
+under no_grad), and their sum against one eager Function.apply timed with them. (The parts are
+single calls repeated, the table's figures slopes of chains, timed at another moment: compare each
+with its own column.)
+
 --device cuda
 -------------
 The same graphs with every node on ORT's CUDA execution provider (device 0): the Function gets
@@ -79,8 +86,10 @@ import sys
 
 import numpy as np
 import torch
+from onnx import helper
 
 import ortbridge
+from ortbridge import _runner
 from common import Clone, cuda_versions, medians, python_op, python_op_grad, require_device, session, versions
 
 NUMEL = 16
@@ -223,6 +232,35 @@ def make_cuda_calls(mode: str, k: int):
         assert ortbridge.context_pool_size() == 0, f"{ortbridge.context_pool_size()} contexts left live"
 
     return ort_call, eager_call, check
+
+
+def print_inference_parts(repeats: int, target: float, warmup: int) -> None:
+    """What an inference op cannot do without, each part timed here: ORT's dispatch of a native
+    node (the slope of a chain of Neg nodes), a DLPack round trip in and out, and the Function
+    called as the kernel calls it (apply without torch's Python wrapper, grad mode off); against
+    one eager Function.apply under no_grad."""
+    x_np = np.arange(NUMEL, dtype=np.float32)
+    x = torch.from_numpy(x_np)
+    feeds = {"x": x_np}
+
+    def neg_chain(k: int):
+        names = ["x"] + [f"n{i}" for i in range(k - 1)] + ["y"]
+        sess = session([helper.make_node("Neg", [a], [b]) for a, b in zip(names, names[1:])], [("x", [NUMEL])],
+                       [("y", None)])
+        return lambda: sess.run(["y"], feeds)
+
+    lo, hi = KS[0], KS[-1]
+    direct = _runner._direct_apply(Clone)
+    apply, from_dlpack, to_dlpack = Clone.apply, _runner._from_dlpack, _runner._to_dlpack
+    with torch.no_grad():
+        t_lo, t_hi, t_dlpack, t_direct, t_apply = medians(
+            [neg_chain(lo), neg_chain(hi), lambda: to_dlpack(from_dlpack(to_dlpack(x))), lambda: direct(x),
+             lambda: apply(x)], repeats, target, warmup)
+    dispatch = (t_hi - t_lo) / (hi - lo)
+    floor = dispatch + t_dlpack + t_direct
+    print(f"an inference op's parts: ORT's dispatch of a native node {dispatch * 1e6:.2f} us (Neg chain), DLPack "
+          f"in and out {t_dlpack * 1e6:.2f}, the Function as the kernel calls it {t_direct * 1e6:.2f}; sum "
+          f"{floor * 1e6:.2f} us = {floor / t_apply:.2f} x one eager Function.apply ({t_apply * 1e6:.2f} us)")
 
 
 class CloneChain(torch.nn.Module):
@@ -423,6 +461,8 @@ def main(argv=None) -> int:
             (o1, e1), (o2, e2) = results[(mode, lo)], results[(mode, hi)]
             po, pe = (o2 - o1) / (hi - lo), (e2 - e1) / (hi - lo)
             print(f"{mode:<10} {po * 1e6:>10.2f} {pe * 1e6:>12.2f} {po / pe:>7.2f}")
+        if "inference" in graph_modes and not on_cuda:
+            print_inference_parts(repeats, target, warmup)
     if "ortmodule" in modes:
         print()
         if run_ortmodule(ortmodule_ks, repeats, target, warmup, not args.no_compile):

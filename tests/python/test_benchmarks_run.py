@@ -11,7 +11,7 @@ BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
 
 
 @pytest.mark.parametrize("script, args, marker", [
-    ("overhead.py", ["--quick"], "ratio"),
+    ("overhead.py", ["--quick"], "an inference op's parts"),
     ("zero_copy.py", ["--quick", "--max-size", "1M"], "/tc"),
     ("train_step.py", ["--quick", "--in-pytorch", "convolution"], "+in PyTorch ms"),
     ("onnx_train_step.py", ["--quick"], "ratio"),
