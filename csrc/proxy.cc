@@ -76,7 +76,7 @@ const TorchCalls& Torch() {
 
 std::string FormatPythonError(const py::error_already_set& error) {
   try {
-    return Runner().attr("format_exception")(error.value()).cast<std::string>();
+    return Runner().attr("format_exception")(error.value(), error.trace()).cast<std::string>();
   } catch (const std::exception&) {
     return error.what();
   }

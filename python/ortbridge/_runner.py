@@ -44,8 +44,10 @@ def _direct_apply(func: type):
     return base_apply.__get__(None, func)
 
 
-def format_exception(exc: BaseException) -> str:
-    return "".join(traceback.format_exception(exc)).rstrip()
+def format_exception(exc: BaseException, tb=None) -> str:
+    """The exception and its traceback `tb` (exc.__traceback__ when None: an exception raised by a
+    Function the kernel called directly, with no Python frame above, has none of its own yet)."""
+    return "".join(traceback.format_exception(type(exc), exc, tb if tb is not None else exc.__traceback__)).rstrip()
 
 
 def _as_tuple(result, what: str) -> tuple:

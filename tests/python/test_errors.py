@@ -118,6 +118,26 @@ def test_python_exception_carries_the_traceback(faulty):
     run_good(sess)
 
 
+@pytest.mark.parametrize("mode", list(FORWARD_ERRORS))
+def test_inference_call_errors_as_a_training_call_does(faulty, mode):
+    # The kernel makes an inference call itself, not through the runner's Python: the same
+    # errors, the traceback included (with no Python frame above the call), and the session recovers.
+    fw = python_op(Faulty, [T("x")], [(TP.FLOAT, 1)], out_names=["y"])
+    sess = session(model([fw], [value("x", shape=[3])], [value("y")]))
+    x = np.arange(3, dtype=np.float32)
+    faulty.mode = mode
+    with pytest.raises(ORT_ERRORS) as info:
+        sess.run(None, {"x": x})
+    message = str(info.value)
+    assert re.search(FORWARD_ERRORS[mode], message), message
+    assert "ortbridge PythonOp node 'fw' (function 'test_errors.Faulty')" in message
+    if mode == "raise":
+        assert "Traceback (most recent call last)" in message
+        assert 'raise ValueError("forward exploded")' in message and "test_errors.py" in message
+    faulty.mode = None
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], x * 2)
+
+
 def grad_only_session():
     bw = python_op_grad(Faulty, "d", [("g", TP.FLOAT, 1)], [("gx", TP.FLOAT, 1)])
     return session(model([bw], [value("ctx", TP.INT64, []), value("g", shape=[3])], [value("gx")]))
