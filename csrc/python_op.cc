@@ -165,7 +165,9 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
     }
     py::tuple result(n + 1);
     PyTuple_SET_ITEM(result.ptr(), 0, py::none().release().ptr());
-    for (size_t i = 0; i < n; ++i) PyTuple_SET_ITEM(result.ptr(), i + 1, torch.to_dlpack(py::handle(items[i])).release().ptr());
+    for (size_t i = 0; i < n; ++i) {
+      PyTuple_SET_ITEM(result.ptr(), i + 1, torch.to_dlpack(py::handle(items[i])).release().ptr());
+    }
     return result;
   }
 
