@@ -1,9 +1,11 @@
 """The Python side of one PythonOp / PythonOpGrad call.
 
 The C++ kernels build one ForwardNode or BackwardNode per graph node when the session is
-created and call its `run` on every Compute, holding the GIL. Inputs arrive as DLPack
-capsules that view ONNX Runtime's buffers (borrowed for the duration of the call); outputs
-leave as DLPack capsules that the kernel copies into ORT-allocated buffers.
+created and call its `run` on every Compute, holding the GIL; an inference call on the CPU the
+kernel makes itself, from what `ForwardNode.direct` gives it, ending in `ForwardNode.result` for
+anything unusual. Inputs arrive as DLPack capsules that view ONNX Runtime's buffers (borrowed for
+the duration of the call); outputs leave as DLPack capsules that the kernel copies into
+ORT-allocated buffers.
 
 On a CUDA execution provider the node also does the kernel's device work, as the library links
 no CUDA runtime: the kernel makes ORT's compute stream torch's current stream around the call
