@@ -183,7 +183,7 @@ class ForwardNode(_Node):
         self.training = layout.training_mode
         self.output_count = len(layout.output_tensor_types)
         # An inference call on the CPU with no constant to copy the kernel makes itself, without
-        # `run` (python_op.cc, DirectCall): (what it calls, the arguments with None in the tensor
+        # `run` (python_op.cc, CallDirect): (what it calls, the arguments with None in the tensor
         # positions, those positions); None where `run` is needed.
         direct = not self.training and not self.mutable and self.on_cpu
         self.direct = (self.fast_call or self.func.apply, tuple(args), tuple(self.tensor_positions)) if direct else None

@@ -119,18 +119,21 @@ def test_bias_gelu_with_a_parameter_consumed_inside_the_model():
     assert _python_op_names(wrapped) == {("PythonOp", name), ("PythonOpGrad", name)}
 
 
+class LinearBiasGelu(torch.nn.Module):
+    """A model whose output is a Function's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 6)
+        self.bias = torch.nn.Parameter(torch.randn(6))
+
+    def forward(self, x):
+        return tf.BiasGelu.apply(self.linear(x), self.bias)
+
+
 def test_function_output_returned_from_the_model():
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = torch.nn.Linear(4, 6)
-            self.bias = torch.nn.Parameter(torch.randn(6))
-
-        def forward(self, x):
-            return tf.BiasGelu.apply(self.linear(x), self.bias)
-
     torch.manual_seed(0)
-    train_like_eager(Model())
+    train_like_eager(LinearBiasGelu())
 
 
 def test_two_forward_calls_before_one_backward():
@@ -459,26 +462,17 @@ def test_state_dict_and_attributes_are_the_module_s():
 def test_replaced_parameters_and_layers_are_captured_again():
     # The captured graphs hold the module's parameters: a layer replaced after the first call, or
     # parameters loaded by assignment, must be the ones the next steps use and train.
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(4, 6)
-            self.bias = torch.nn.Parameter(torch.randn(6))
-
-        def forward(self, x):
-            return tf.BiasGelu.apply(self.lin(x), self.bias)
-
     torch.manual_seed(0)
-    wrapped = ortbridge.OrtModule(Net())
+    wrapped = ortbridge.OrtModule(LinearBiasGelu())
     x = torch.randn(5, 4)
     wrapped(x).sum().backward()
-    wrapped.module.lin = torch.nn.Linear(4, 6)
+    wrapped.module.linear = torch.nn.Linear(4, 6)
     eager = copy.deepcopy(wrapped.module)
     out = wrapped(x)
     _assert_close(out, eager(x), "after the layer was replaced")
     out.sum().backward()
     eager(x).sum().backward()
-    _assert_close(wrapped.module.lin.weight.grad, eager.lin.weight.grad, "the new layer's gradient")
+    _assert_close(wrapped.module.linear.weight.grad, eager.linear.weight.grad, "the new layer's gradient")
     state = {k: v + 1 for k, v in wrapped.state_dict().items()}
     wrapped.load_state_dict(state, assign=True)
     eager.load_state_dict(state, assign=True)
