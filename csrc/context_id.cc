@@ -51,12 +51,11 @@ PyObject* NewContextIdCapsule() {
   return NewOwningCapsule(&holder->managed);
 }
 
-bool HeldByContextIdTensor(int64_t id) {
+std::unordered_set<int64_t> HeldByContextIdTensors() {
   std::lock_guard<std::mutex> lock(g_holders_mutex);
-  for (const ContextIdTensor* holder : g_holders) {
-    if (holder->id == id) return true;
-  }
-  return false;
+  std::unordered_set<int64_t> ids;
+  for (const ContextIdTensor* holder : g_holders) ids.insert(holder->id);
+  return ids;
 }
 
 }  // namespace ortbridge

@@ -5,6 +5,7 @@
 #include <Python.h>
 
 #include <cstdint>
+#include <unordered_set>
 
 namespace ortbridge {
 
@@ -13,7 +14,7 @@ namespace ortbridge {
 // thread) releases that context if it is still live.
 PyObject* NewContextIdCapsule();
 
-// Whether a live context-id tensor holds `id` (then torch, not a run scope, decides its lifetime).
-bool HeldByContextIdTensor(int64_t id);
+// The ids that live context-id tensors hold (torch, not a run scope, decides their lifetime).
+std::unordered_set<int64_t> HeldByContextIdTensors();
 
 }  // namespace ortbridge

@@ -10,6 +10,7 @@
 #include "element_types.h"
 #include "kernel_io.h"
 #include "proxy.h"
+#include "saved_tensors.h"
 
 namespace py = pybind11;
 
@@ -129,6 +130,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("_end_run", &ortbridge::EndRunScope, py::arg("failed"),
         "Closes this thread's run scope; returns the ids of the contexts the run left live that no "
         "context-id tensor holds (the caller releases those its outputs do not hold).");
+  m.def("_begin_saving", &ortbridge::BeginSaving, py::arg("borrowed"),
+        "Until _end_saving, what a Function on this thread saves for backward from the buffers at these "
+        "addresses is copied, anything else detached (torch's saved-tensor hooks).");
+  m.def("_end_saving", &ortbridge::EndSaving);
   m.def("_shutdown", &ortbridge::Shutdown);
   py::module_::import("atexit").attr("register")(m.attr("_shutdown"));
 }

@@ -1,6 +1,7 @@
 #include "proxy.h"
 
 #include <atomic>
+#include <optional>
 #include <stdexcept>
 #include <vector>
 
@@ -32,12 +33,14 @@ std::vector<int64_t> EndRunScope(bool failed) {
   std::vector<int64_t> ids = std::move(t_run_scopes.back());
   t_run_scopes.pop_back();
   std::vector<int64_t> unheld;
+  if (failed) {
+    for (int64_t id : ids) Contexts().Take(id);  // dropped here, GIL held
+    return unheld;
+  }
+  if (ids.empty()) return unheld;
+  const std::unordered_set<int64_t> held = HeldByContextIdTensors();
   for (int64_t id : ids) {
-    if (failed) {
-      Contexts().Take(id);  // dropped here, GIL held
-    } else if (Contexts().Contains(id) && !HeldByContextIdTensor(id)) {
-      unheld.push_back(id);
-    }
+    if (Contexts().Contains(id) && held.count(id) == 0) unheld.push_back(id);
   }
   return unheld;
 }
@@ -69,9 +72,37 @@ const TorchCalls& Torch() {
         calls.tensor_type = reinterpret_cast<PyTypeObject*>(runner.attr("torch").attr("Tensor").ptr());
         calls.is_cpu = py::str("is_cpu");
         calls.version = py::str("_version");
+        calls.requires_grad_ = py::str("requires_grad_");
+        calls.grad_fn = py::str("grad_fn");
         return calls;
       })
       .get_stored();
+}
+
+py::object CallWithGradMode(py::handle callable, const py::tuple& args, bool grad_enabled) {
+  const TorchCalls& torch = Torch();
+  const bool switched = (torch.is_grad_enabled().ptr() == Py_True) != grad_enabled;
+  if (switched) torch.set_grad_enabled(grad_enabled);
+  PyObject* returned = PyObject_Call(callable.ptr(), args.ptr(), nullptr);
+  std::optional<py::error_already_set> error;
+  if (!returned) error.emplace();  // (taken off the interpreter before grad mode is restored)
+  if (switched) torch.set_grad_enabled(!grad_enabled);
+  if (error) throw *error;
+  return py::reinterpret_steal<py::object>(returned);
+}
+
+std::vector<PyObject*> ReturnedItems(PyObject* returned) {
+  if (PyObject_TypeCheck(returned, Torch().tensor_type)) return {returned};
+  std::vector<PyObject*> items;
+  if (PyTuple_CheckExact(returned)) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(returned); ++i) items.push_back(PyTuple_GET_ITEM(returned, i));
+  }
+  return items;
+}
+
+bool IsCpuTensor(PyObject* o) {
+  const TorchCalls& torch = Torch();
+  return PyObject_TypeCheck(o, torch.tensor_type) && py::handle(o).attr(torch.is_cpu).ptr() == Py_True;
 }
 
 std::string FormatPythonError(const py::error_already_set& error) {

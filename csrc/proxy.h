@@ -75,9 +75,20 @@ py::module_ Runner();
 struct TorchCalls {
   py::object from_dlpack, to_dlpack, is_grad_enabled, set_grad_enabled, functorch_active;
   PyTypeObject* tensor_type = nullptr;
-  py::str is_cpu, version;
+  py::str is_cpu, version, requires_grad_, grad_fn;
 };
 const TorchCalls& Torch();
+
+// callable(*args) with torch's grad mode set to `grad_enabled`, and restored after it, also when
+// it raises (then py::error_already_set).
+py::object CallWithGradMode(py::handle callable, const py::tuple& args, bool grad_enabled);
+
+// What a Function's forward or backward returned, as a list of its items (borrowed): itself when
+// it is a tensor, the items of a tuple, nothing for anything else (which the runner's checks take).
+std::vector<PyObject*> ReturnedItems(PyObject* returned);
+
+// Whether `o` is a torch.Tensor on the CPU.
+bool IsCpuTensor(PyObject* o);
 
 // "ExceptionType: message" followed by the Python traceback.
 std::string FormatPythonError(const py::error_already_set& error);

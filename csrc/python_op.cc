@@ -6,6 +6,7 @@
 
 #include "custom_op.h"
 #include "python_kernel.h"
+#include "saved_tensors.h"
 
 namespace ortbridge {
 namespace {
@@ -122,16 +123,22 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
     }
   }
 
-  // The runner's `run` for an inference call, made here where ForwardNode.direct allows it: the
-  // Python around Function.apply in `run` costs about as much as the kernel's own work. Anything
-  // but plain CPU tensors out and unchanged inputs goes on to the runner's `result`, which
-  // checks and errors as `run` does. GIL held.
+  // The runner's `run`, made here where ForwardNode.direct allows it: the Python around
+  // Function.apply in `run` costs about as much as the kernel's own work. Anything but plain CPU
+  // tensors out and unchanged inputs goes on to the runner's `result`, which checks and errors as
+  // `run` does. GIL held.
   py::tuple CallDirect(const std::vector<TensorView>& inputs) {
     const TorchCalls& torch = Torch();
     if (torch.functorch_active().ptr() == Py_True) return run_(BorrowInputs(inputs, placement_.device));
     const py::tuple capsules = BorrowInputs(inputs, placement_.device);
     py::list tensors(capsules.size());
     for (size_t i = 0; i < capsules.size(); ++i) tensors[i] = torch.from_dlpack(capsules[i]);
+    const bool training = layout_.training_mode;
+    if (training) {
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        if (layout_.requires_grad[i]) tensors[i].attr(torch.requires_grad_)();
+      }
+    }
     const size_t argument_count = PyTuple_GET_SIZE(direct_.args.ptr());
     py::tuple args(argument_count);
     for (size_t i = 0; i < argument_count; ++i) {
@@ -139,36 +146,54 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
       PyObject* arg = tensor < 0 ? PyTuple_GET_ITEM(direct_.args.ptr(), i) : PyList_GET_ITEM(tensors.ptr(), tensor);
       PyTuple_SET_ITEM(args.ptr(), i, py::handle(arg).inc_ref().ptr());
     }
-    const bool grad_was_enabled = torch.is_grad_enabled().ptr() == Py_True;
-    if (grad_was_enabled) torch.set_grad_enabled(false);
-    PyObject* returned = PyObject_Call(direct_.call.ptr(), args.ptr(), nullptr);
-    std::optional<py::error_already_set> error;
-    if (!returned) error.emplace();  // (taken off the interpreter before grad mode is restored)
-    if (grad_was_enabled) torch.set_grad_enabled(true);
-    if (error) throw *error;
-    const auto outputs = py::reinterpret_steal<py::object>(returned);
+    std::optional<SavingScope> saving;
+    if (training) saving.emplace(Borrowed(inputs));
+    const py::object outputs = CallWithGradMode(direct_.call, args, training);
+    saving.reset();
 
     const size_t n = layout_.output_tensor_types.size();
-    std::vector<PyObject*> items;
-    if (PyObject_TypeCheck(returned, torch.tensor_type)) {
-      items.push_back(returned);
-    } else if (PyTuple_CheckExact(returned)) {
-      for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(returned); ++i) items.push_back(PyTuple_GET_ITEM(returned, i));
-    }
-    auto plain_cpu_tensor = [&](PyObject* o) {
-      return PyObject_TypeCheck(o, torch.tensor_type) && py::handle(o).attr(torch.is_cpu).ptr() == Py_True;
-    };
+    const std::vector<PyObject*> items = ReturnedItems(outputs.ptr());
     auto unchanged = [&](py::handle t) { return t.attr(torch.version).cast<int64_t>() == 0; };
-    if (items.size() != n || !std::all_of(items.begin(), items.end(), plain_cpu_tensor) ||
+    if (items.size() != n || !std::all_of(items.begin(), items.end(), IsCpuTensor) ||
         !std::all_of(tensors.begin(), tensors.end(), unchanged)) {
-      return runner_.attr("result")(outputs, tensors);
+      return runner_.attr("result")(outputs, tensors, training ? py::object(BorrowedSet(inputs)) : py::none());
     }
     py::tuple result(n + 1);
-    PyTuple_SET_ITEM(result.ptr(), 0, py::none().release().ptr());
+    PyTuple_SET_ITEM(result.ptr(), 0, (training ? Context(items, inputs) : py::none()).release().ptr());
     for (size_t i = 0; i < n; ++i) {
       PyTuple_SET_ITEM(result.ptr(), i + 1, torch.to_dlpack(py::handle(items[i])).release().ptr());
     }
     return result;
+  }
+
+  // The autograd node of a training call, which is its context (None when no output needs a
+  // gradient), as the runner's `result` finds it.
+  py::object Context(const std::vector<PyObject*>& outputs, const std::vector<TensorView>& inputs) const {
+    const TorchCalls& torch = Torch();
+    for (PyObject* o : outputs) {
+      py::object ctx = py::handle(o).attr(torch.grad_fn);
+      if (ctx.is_none()) continue;
+      // A tensor kept as a plain attribute (ctx.x = x) would outlive ORT's buffer too.
+      PyObject* attributes = PyObject_GenericGetDict(ctx.ptr(), nullptr);
+      if (!attributes) throw py::error_already_set();
+      const bool any = PyDict_Size(attributes) > 0;
+      Py_DECREF(attributes);
+      if (any) Runner().attr("_own_borrowed_attributes")(ctx, BorrowedSet(inputs));
+      return ctx;
+    }
+    return py::none();
+  }
+
+  // The buffers of ORT's inputs, which the call borrows.
+  static std::vector<uintptr_t> Borrowed(const std::vector<TensorView>& inputs) {
+    std::vector<uintptr_t> buffers;
+    for (const TensorView& t : inputs) buffers.push_back(reinterpret_cast<uintptr_t>(t.data));
+    return buffers;
+  }
+  static py::set BorrowedSet(const std::vector<TensorView>& inputs) {
+    py::set buffers;
+    for (uintptr_t b : Borrowed(inputs)) buffers.add(py::int_(b));
+    return buffers;
   }
 
   bool context_id_output_ = true;  // whether output 0 has a value name
@@ -184,7 +209,7 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
   py::object MakeRunner(const std::string& device) {  // GIL held
     py::object runner = Runner().attr("ForwardNode")(layout_, device);
     py::object direct = runner.attr("direct");
-    if (!direct.is_none()) {
+    if (!direct.is_none() && !placement_.via_torch()) {  // (the device path is the CUDA kernels': `run`)
       direct_.args = direct[py::int_(1)];
       direct_.tensor_at.assign(py::len(direct_.args), -1);
       int tensor = 0;

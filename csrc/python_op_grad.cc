@@ -21,6 +21,7 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
 
   PythonOpGradKernel(const OrtApi& api, const std::string& node, BackwardLayout layout)
       : PythonKernel(api, kName, node, std::move(layout)) {}
+  ~PythonOpGradKernel() { ReleasePython(direct_); }
 
   static OrtStatus* Create(const OrtApi& api, const OrtKernelInfo* info, Backend backend, void** out) {
     return PythonKernel::Create<PythonOpGradKernel>(api, info, backend, out);
@@ -56,7 +57,10 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
         KernelOutputs writer(api_, context, placement_, runner_);
         // One capsule or None per gradient output; None where no gradient is wanted or the
         // Function gave none (written as zeros).
-        py::tuple result = run_(saved->ctx, BorrowInputs(grads, placement_.device), AbsentGradientShapes(*saved));
+        const bool all_present = layout_.grad_input_slots.size() == layout_.input_tensor_types.size();
+        py::tuple result = direct_ && all_present && !saved->ctx.is_none()
+                               ? CallDirect(saved->ctx, grads)
+                               : run_(saved->ctx, BorrowInputs(grads, placement_.device), AbsentGradientShapes(*saved));
         saved->ctx = py::object();  // release the context (and what it saved) before copying
         const size_t n = layout_.output_tensor_types.size();
         if (result.size() != n) throw std::logic_error("the runner returned a result of the wrong length");
@@ -147,8 +151,37 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
     return *static_cast<const int64_t*>(t.data);
   }
 
-  py::object MakeRunner(const std::string& device) const {  // GIL held
-    return Runner().attr("BackwardNode")(layout_, device);
+  // The runner's `run` for a context and every gradient present, made here where
+  // BackwardNode.direct allows it; anything but plain CPU tensors or None in the gradients'
+  // positions goes on to the runner's `result`, which checks and errors as `run` does. GIL held.
+  py::tuple CallDirect(const py::object& ctx, const std::vector<TensorView>& grads) {
+    const TorchCalls& torch = Torch();
+    const py::tuple capsules = BorrowInputs(grads, placement_.device);
+    py::tuple args(capsules.size() + 1);
+    PyTuple_SET_ITEM(args.ptr(), 0, ctx.inc_ref().ptr());
+    for (size_t i = 0; i < capsules.size(); ++i) {
+      PyTuple_SET_ITEM(args.ptr(), i + 1, torch.from_dlpack(capsules[i]).release().ptr());
+    }
+    const py::object returned = CallWithGradMode(direct_, args, false);
+    const std::vector<PyObject*> values = ReturnedItems(returned.ptr());
+    const size_t n = layout_.output_tensor_types.size();
+    if (values.size() != layout_.output_convention.size()) return runner_.attr("result")(returned);
+    py::tuple gradients(n);
+    for (size_t i = 0; i < n; ++i) {
+      PyObject* g = layout_.output_requires_grad[i] ? values[layout_.output_positions[i]] : Py_None;
+      if (g != Py_None && !IsCpuTensor(g)) return runner_.attr("result")(returned);
+      PyTuple_SET_ITEM(gradients.ptr(), i, g == Py_None ? py::none().release().ptr() : torch.to_dlpack(py::handle(g)).release().ptr());
+    }
+    return gradients;
+  }
+
+  py::object direct_;  // BackwardNode.direct: Function.backward, or None where `run` is needed
+
+  py::object MakeRunner(const std::string& device) {  // GIL held
+    py::object runner = Runner().attr("BackwardNode")(layout_, device);
+    py::object direct = runner.attr("direct");
+    if (!direct.is_none() && !placement_.via_torch()) direct_ = direct;  // (the device path: `run`, as on CUDA)
+    return runner;
   }
 };
 

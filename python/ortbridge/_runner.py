@@ -1,8 +1,8 @@
 """The Python side of one PythonOp / PythonOpGrad call.
 
 The C++ kernels build one ForwardNode or BackwardNode per graph node when the session is
-created and call its `run` on every Compute, holding the GIL; an inference call on the CPU the
-kernel makes itself, from what `ForwardNode.direct` gives it, ending in `ForwardNode.result` for
+created and call its `run` on every Compute, holding the GIL; a call on the CPU the kernel
+usually makes itself, from what the node's `direct` gives it, ending in the node's `result` for
 anything unusual. Inputs arrive as DLPack capsules that view ONNX Runtime's buffers (borrowed for
 the duration of the call); outputs leave as DLPack capsules that the kernel copies into
 ORT-allocated buffers.
@@ -27,6 +27,7 @@ _from_dlpack = getattr(torch._C, "_from_dlpack", torch.utils.dlpack.from_dlpack)
 _to_dlpack = torch.utils.dlpack.to_dlpack
 _is_grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
+# (csrc/saved_tensors.cc installs its hooks with these)
 _push_saved_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_saved_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 
@@ -70,10 +71,6 @@ def _export_tensor(t, owner: str, index: int, device: torch.device):
         raise TypeError(f"{what} is {type(t).__name__}; expected a torch.Tensor")
     provider = "the CPU execution provider" if device.type == "cpu" else f"{device} (the CUDA execution provider)"
     raise RuntimeError(f"{what} is on {t.device}, but this kernel runs on {provider}")
-
-
-def _unpack_saved(t):
-    return t
 
 
 def _forward_without_autograd(func: type, argument_count: int):
@@ -182,10 +179,11 @@ class ForwardNode(_Node):
         self.updated = {i for _, i in layout.in_place}  # tensor inputs updated in place (tensor_reuse_map)
         self.training = layout.training_mode
         self.output_count = len(layout.output_tensor_types)
-        # An inference call on the CPU with no constant to copy the kernel makes itself, without
-        # `run` (python_op.cc, CallDirect): (what it calls, the arguments with None in the tensor
-        # positions, those positions); None where `run` is needed.
-        direct = not self.training and not self.mutable and self.on_cpu
+        # A call on the CPU with no constant to copy the kernel makes itself, without `run`
+        # (python_op.cc, CallDirect): (what it calls, the arguments with None in the tensor
+        # positions, those positions); None where `run` is needed (also for a training call that
+        # updates an input in place, whose input then becomes a copy).
+        direct = not self.mutable and self.on_cpu and not (self.training and self.updated)
         self.direct = (self.fast_call or self.func.apply, tuple(args), tuple(self.tensor_positions)) if direct else None
 
     def run(self, capsules: tuple) -> tuple:
@@ -209,7 +207,7 @@ class ForwardNode(_Node):
             if grad_was_enabled != training:
                 _set_grad_enabled(grad_was_enabled)
             if training:
-                _pop_saved_hooks()
+                _C._end_saving()
         return self.result(outputs, tensors, borrowed if training else None)
 
     def result(self, outputs, tensors: list, borrowed: set | None = None) -> tuple:
@@ -236,7 +234,8 @@ class ForwardNode(_Node):
 
     def _prepare_training(self, tensors: list) -> set:
         """Flags the inputs that need gradients (those updated in place become copies) and
-        installs the saved-tensor hooks; returns the addresses of ORT's input buffers."""
+        installs the saved-tensor hooks (_C._end_saving removes them); returns the addresses of
+        ORT's input buffers."""
         if self.requires_grad:
             for i, flag in enumerate(self.requires_grad):
                 if flag:
@@ -245,14 +244,9 @@ class ForwardNode(_Node):
                         with torch.enable_grad():
                             tensors[i] = tensors[i].clone()
         # Inputs view ORT buffers that ORT reuses after this call: whatever the Function saves
-        # for backward from them must be a copy. Other saved tensors are kept detached, which
-        # also breaks the cycle output -> node -> saved output.
+        # for backward from them must be a copy (csrc/saved_tensors.h).
         borrowed = {t.data_ptr() for t in tensors}
-
-        def pack(t):
-            return t.clone() if t.untyped_storage().data_ptr() in borrowed else t.detach()
-
-        _push_saved_hooks(pack, _unpack_saved)
+        _C._begin_saving(list(borrowed))
         return borrowed
 
     @staticmethod
@@ -303,6 +297,10 @@ class BackwardNode(_Node):
         self.outputs = [position if wanted else None
                         for position, wanted in zip(layout.output_positions, layout.output_requires_grad)]
         self.no_gradients = (None,) * len(self.outputs)
+        # What the kernel calls itself on the CPU when every gradient input is present
+        # (python_op_grad.cc, CallDirect), ending in `result` for anything unusual; None where
+        # `run` is needed.
+        self.direct = self.backward if self.on_cpu else None
 
     def run(self, ctx, capsules: tuple, absent: dict | None) -> tuple:
         """One capsule per wanted gradient output, None elsewhere (the kernel writes zeros where a
@@ -322,6 +320,10 @@ class BackwardNode(_Node):
         finally:
             if grad_was_enabled:
                 _set_grad_enabled(True)
+        return self.result(results)
+
+    def result(self, results) -> tuple:
+        """What `run` returns, from what backward returned."""
         if type(results) is not tuple:
             results = _as_tuple(results, f"{self.name}.backward")
         if len(results) != self.argument_count and not (  # (extra trailing Nones: torch accepts them)

@@ -216,10 +216,11 @@ class RecordsGradMode(torch.autograd.Function):
         return g, None
 
 
-def test_inference_call_runs_with_grad_mode_off_and_restores_it(monkeypatch):
-    # An inference call never reaches ForwardNode.run: the kernel calls the Function itself (what
+def test_kernel_calls_run_with_grad_mode_set_and_restored(monkeypatch):
+    # On the CPU kernel's own path a call never reaches ForwardNode.run: the kernel calls the Function itself (what
     # run would do, with its Python left out) and goes on to the runner's checks only for
-    # unusual results. With run disabled, such calls still work, and a training call does not.
+    # unusual results. With run disabled, such calls still work, inference and training alike,
+    # and one whose constant is a list (each call gets a copy of it) does not.
     def no_run(self, capsules):
         raise AssertionError("ForwardNode.run was called")
 
@@ -228,7 +229,7 @@ def test_inference_call_runs_with_grad_mode_off_and_restores_it(monkeypatch):
     RecordsGradMode.seen.clear()
     for fail in (False, True):
         node = python_op(RecordsGradMode, [T("x"), fail], [(TP.FLOAT, 1)], out_names=["y"])
-        sess = session(model([node], [value("x", shape=[3])], [value("y")]))
+        sess = session(model([node], [value("x", shape=[3])], [value("y")]), device_path=False)
         with torch.enable_grad():
             if fail:
                 with pytest.raises(Exception, match="ValueError: asked to fail"):
@@ -236,9 +237,20 @@ def test_inference_call_runs_with_grad_mode_off_and_restores_it(monkeypatch):
             else:
                 np.testing.assert_array_equal(sess.run(None, {"x": x})[0], x + 1)
             assert torch.is_grad_enabled()
-    assert RecordsGradMode.seen == [False, False]
-    node = python_op(RecordsGradMode, [T("x", requires_grad=True), False], [(TP.FLOAT, 1)], out_names=["y"],
-                     training=True)
-    sess = session(model([node], [value("x", shape=[3])], [value("y")]))
+    for fail in (False, True):
+        node = python_op(RecordsGradMode, [T("x", requires_grad=True), fail], [(TP.FLOAT, 1)], out_names=["y"],
+                         training=True)
+        sess = session(model([node], [value("x", shape=[3])], [value("y")]), device_path=False)
+        with torch.no_grad():
+            if fail:
+                with pytest.raises(Exception, match="ValueError: asked to fail"):
+                    sess.run(None, {"x": x})
+            else:
+                np.testing.assert_array_equal(sess.run(None, {"x": x})[0], x + 1)
+            assert not torch.is_grad_enabled()
+    assert RecordsGradMode.seen == [False] * 4  # (Function.apply runs forward without grad mode, training or not)
+    assert ortbridge.context_pool_size() == 0
+    node = python_op(RecordsGradMode, [T("x"), []], [(TP.FLOAT, 1)], out_names=["y"])
+    sess = session(model([node], [value("x", shape=[3])], [value("y")]), device_path=False)
     with pytest.raises(Exception, match="ForwardNode.run was called"):
         sess.run(None, {"x": x})

@@ -1,10 +1,12 @@
 """PythonOp (training_mode=1) -> PythonOpGrad in one ONNX graph, against torch.autograd."""
 
 import numpy as np
+import pytest
 import torch
 from onnx import TensorProto as TP
 
 import ortbridge
+from ortbridge import _runner
 from conftest import NewStyle, T, model, python_op, python_op_grad, session, value
 
 
@@ -262,3 +264,49 @@ def test_input_passed_through_and_integer_output():
     np.testing.assert_array_equal(b, x * 2)
     np.testing.assert_array_equal(m, n)
     np.testing.assert_array_equal(gx, np.full(3, 3, np.float32))
+
+
+@ortbridge.register
+class ReturnsLists(torch.autograd.Function):
+    """Its backward returns a list, not a tuple: the kernel's own call hands it to the runner's
+    checks. (A forward's list autograd would not track.)"""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return [g * 2]
+
+
+def test_training_calls_are_made_by_the_kernel(monkeypatch):
+    # On the CPU kernel's own path a training forward and its backward never reach the runner's
+    # `run`: the kernel makes the call, saved-tensor hooks and grad mode included. With run
+    # disabled, results still equal torch's; a gradient left absent (which `run` materializes)
+    # does reach it, which shows the patch took effect.
+    def no_run(self, *args):
+        raise AssertionError(f"{type(self).__name__}.run was called")
+
+    monkeypatch.setattr(_runner.ForwardNode, "run", no_run)
+    monkeypatch.setattr(_runner.BackwardNode, "run", no_run)
+    rng = np.random.default_rng(3)
+    x, w, gy = (rng.standard_normal(6).astype(np.float32) for _ in range(3))
+    gs = np.asarray(rng.standard_normal(), np.float32)
+    with torch.no_grad():  # (grad mode is the kernel's to set)
+        got = session(mulsum_model(), device_path=False).run(None, {"x": x, "w": w, "gy": gy, "gs": gs})
+    for g, e in zip(got, eager_mulsum(x, w, gy, gs)):
+        np.testing.assert_array_equal(g, e)
+
+    fw = python_op(ReturnsLists, [T("x", requires_grad=True)], [(TP.FLOAT, 1)], out_names=["y"], training=True)
+    bw = python_op_grad(ReturnsLists, "d", [("g", TP.FLOAT, 1)], [("gx", TP.FLOAT, 1)])
+    sess = session(model([fw, bw], [value("x", shape=[3]), value("g", shape=[3])], [value("y"), value("gx")]),
+                   device_path=False)
+    y, gx = sess.run(None, {"x": x[:3], "g": gy[:3]})
+    np.testing.assert_array_equal(y, x[:3] * 2)
+    np.testing.assert_array_equal(gx, gy[:3] * 2)
+    assert ortbridge.context_pool_size() == 0
+
+    with pytest.raises(Exception, match="BackwardNode.run was called"):
+        session(mulsum_model(present=(True, False)), device_path=False).run(None, {"x": x, "w": w, "gy": gy})
+    assert ortbridge.context_pool_size() == 0

@@ -1,0 +1,69 @@
+#include "saved_tensors.h"
+
+#include <algorithm>
+
+#include <pybind11/gil_safe_call_once.h>
+
+#include "proxy.h"
+
+namespace ortbridge {
+namespace {
+
+thread_local std::vector<std::vector<uintptr_t>> t_borrowed;  // per open scope, innermost last
+
+// The pack hook: a copy of a tensor whose storage is one of the innermost scope's borrowed
+// buffers, the tensor detached otherwise.
+py::object Pack(py::handle t) {
+  static const py::str untyped_storage("untyped_storage"), data_ptr("data_ptr"), clone("clone"), detach("detach");
+  if (!t_borrowed.empty()) {
+    const auto storage = t.attr(untyped_storage)().attr(data_ptr)().cast<uintptr_t>();
+    const std::vector<uintptr_t>& borrowed = t_borrowed.back();
+    if (std::find(borrowed.begin(), borrowed.end(), storage) != borrowed.end()) return t.attr(clone)();
+  }
+  return t.attr(detach)();
+}
+
+struct Hooks {
+  py::object pop, pack, unpack;
+};
+
+const Hooks& SavedTensorHooks() {
+  PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<Hooks> hooks;
+  return hooks
+      .call_once_and_store_result([] {
+        py::module_ runner = Runner();
+        return Hooks{runner.attr("_pop_saved_hooks"), py::cpp_function(Pack),
+                     py::cpp_function([](py::object t) { return t; })};
+      })
+      .get_stored();
+}
+
+}  // namespace
+
+void BeginSaving(std::vector<uintptr_t> borrowed) {
+  const Hooks& hooks = SavedTensorHooks();
+  // (looked up per call, not kept: benchmarks/step_memory.py wraps it to see what is saved)
+  Runner().attr("_push_saved_hooks")(hooks.pack, hooks.unpack);
+  t_borrowed.push_back(std::move(borrowed));
+}
+
+void EndSaving() {
+  if (t_borrowed.empty()) return;
+  t_borrowed.pop_back();
+  SavedTensorHooks().pop();
+}
+
+SavingScope::SavingScope(std::vector<uintptr_t> borrowed) { BeginSaving(std::move(borrowed)); }
+
+SavingScope::~SavingScope() {
+  PyObject *type, *value, *trace;
+  PyErr_Fetch(&type, &value, &trace);  // (a pending error would make the pop fail)
+  try {
+    EndSaving();
+  } catch (py::error_already_set&) {
+    // torch's pop only fails when the stack is empty, which this scope's push rules out
+  }
+  PyErr_Restore(type, value, trace);
+}
+
+}  // namespace ortbridge

@@ -1,0 +1,32 @@
+// What a training-mode forward saves for backward. Its tensor inputs view ONNX Runtime's buffers,
+// which ORT reuses once the call returns: a tensor saved from one of them must be a copy. Every
+// other saved tensor is kept detached, which also breaks the cycle output -> node -> saved output.
+// Both ways of making a training call (the kernel's own, the runner's `run`) go through here.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace ortbridge {
+
+namespace py = pybind11;
+
+// For its lifetime, torch's saved-tensor hooks on this thread copy what is saved from the
+// buffers at `borrowed` (the inputs' data pointers). Scopes nest (a Function may run a session
+// itself); torch's hook stack is per thread, like ours. GIL held.
+class SavingScope {
+ public:
+  explicit SavingScope(std::vector<uintptr_t> borrowed);
+  SavingScope(const SavingScope&) = delete;
+  SavingScope& operator=(const SavingScope&) = delete;
+  ~SavingScope();  // may run while a Python error is being handled: it keeps that error intact
+};
+
+// The Python face of SavingScope, for the runner's `run`: opens a scope over `borrowed`, closed
+// by EndSaving on the same thread. GIL held.
+void BeginSaving(std::vector<uintptr_t> borrowed);
+void EndSaving();
+
+}  // namespace ortbridge
