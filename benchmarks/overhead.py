@@ -59,8 +59,8 @@ Clone.apply calls on a 16-element float32 input that requires grad, so backward 
 all K calls. K = 1 and 64 by default (--ortmodule-ks). Three variants of the module, their
 repeats interleaved:
   eager      the plain module.
-  OrtModule  ortbridge.OrtModule(module) with its default options (torch's thread count for
-             ONNX Runtime, threads that sleep between runs): the K calls are K PythonOp nodes
+  OrtModule  ortbridge.OrtModule(module) with its default options (one ONNX Runtime thread
+             for these small graphs, which sleeps between runs): the K calls are K PythonOp nodes
              in the forward graph and K PythonOpGrad nodes in the backward graph, and a step
              also pays OrtModule.forward, AOTAutograd's runtime wrappers and the IOBinding of
              each session run.
@@ -334,7 +334,7 @@ def run_ortmodule(ks: tuple, repeats: int, target: float, warmup: int, compiled:
     variants = ["eager", "OrtModule"] + (["compile"] if compiled else [])
     print("ortmodule: a module calling Clone.apply K times; step = train (forward, y.sum().backward()) or eval "
           "(no_grad forward)")
-    print(f"OrtModule with its default options (ORT intra-op threads = torch's, {torch.get_num_threads()})"
+    print("OrtModule with its default options (ORT intra-op threads: one, as every tensor is small)"
           + ("; compile = torch.compile(backend=\"ortbridge\"), which inlines the Function" if compiled else ""))
     header = f"{'step':<6} {'K':>3} {'eager us/step':>14} {'OrtModule us/step':>18} {'ratio':>7}"
     if compiled:

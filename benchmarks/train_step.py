@@ -197,7 +197,7 @@ def main() -> int:
     repeats, target = (3, 0.05) if args.quick else (args.repeats, args.target)
     print(versions())
     print(f"torch threads {torch.get_num_threads()}; ONNX Runtime intra-op threads "
-          f"{args.ort_threads or 'as torch'}; median of {repeats} repeats"
+          f"{args.ort_threads or 'OrtModule default (torch, 1 for small graphs)'}; median of {repeats} repeats"
           f"{'; in PyTorch: ' + args.in_pytorch if args.in_pytorch else ''}\n")
     print(f"{'model':>5} {'size':>18} {'eager ms':>9} {'OrtModule ms':>13} {'ratio':>6} {'compile ms':>11} {'ratio':>6}"
           + (f" {'+in PyTorch ms':>15} {'ratio':>6}" if in_pytorch else ""))

@@ -377,6 +377,20 @@ def test_options_session_options_providers_save_graphs_and_logging(tmp_path, cap
     assert any("captured Sequential_" in r.getMessage() for r in caplog.records)
 
 
+def test_default_threads_one_for_small_graphs():
+    # ORT's pool threads sleep between runs; waking one per small operator costs more than it
+    # saves, so a graph whose tensors are all small runs on one thread, a larger one on torch's.
+    from ortbridge.training.graph import SMALL_GRAPH_ELEMENTS
+
+    for width, threads in ((8, 1), (256, torch.get_num_threads())):
+        wrapped = ortbridge.OrtModule(torch.nn.Sequential(torch.nn.Linear(width, width), _Calls(Gelu)))
+        x = torch.randn(width, width)
+        wrapped(x).sum().backward()
+        assert (x.numel() >= SMALL_GRAPH_ELEMENTS) == (width == 256)
+        for session in _all_captures(wrapped)[0].sessions:
+            assert session.session.get_session_options().intra_op_num_threads == threads
+
+
 def test_backend_options(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
     compiled = torch.compile(model, backend="ortbridge", options={"save_graphs": str(tmp_path)})

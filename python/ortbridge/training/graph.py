@@ -23,6 +23,7 @@ from torch.utils._sympy.functions import FloorDiv
 from torch.utils._sympy.printers import PythonPrinter
 
 from .. import _C, _dtypes, runtime
+from .._runner import _from_dlpack
 from ..core import fallback
 from ..core.nodes import DOMAIN, emit_python_op, name_nodes, quiet_exporter
 from ..core.record import size_hint
@@ -121,12 +122,20 @@ def _spread_gradient_outputs(graph: onnx.GraphProto) -> None:
             node.output.extend(next(produced) if w else "" for w in wanted)
 
 
-def default_session_options() -> ort.SessionOptions:
-    """As many threads as torch uses, which sleep between runs: torch runs in between (the
+# A graph whose largest tensor has fewer elements runs on one thread: waking a sleeping thread of
+# ORT's pool for each small operator (tens of us) costs more than splitting the operator saves
+# (benchmarks/train_step.py --ort-threads 1: the small block's step went from 1.52x eager to 1.00x).
+SMALL_GRAPH_ELEMENTS = 1 << 16
+
+
+def default_session_options(largest_tensor: int | None = None) -> ort.SessionOptions:
+    """As many threads as torch uses (one for a graph whose largest tensor has fewer than
+    SMALL_GRAPH_ELEMENTS elements), which sleep between runs: torch runs in between (the
     Functions, the optimizer, the rest of the step), and ORT's default spinning threads would
     take its cores."""
     options = ort.SessionOptions()
-    options.intra_op_num_threads = torch.get_num_threads()
+    small = largest_tensor is not None and largest_tensor < SMALL_GRAPH_ELEMENTS
+    options.intra_op_num_threads = 1 if small else torch.get_num_threads()
     options.inter_op_num_threads = 1
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return options
@@ -189,6 +198,8 @@ class OnnxGraph:
         # (rewrites AOTAutograd's graph in place: the new GraphModule shares it)
         self.module = gm = torch.fx.GraphModule(gm, gm.graph)
         graph = gm.graph
+        self.largest_tensor = max((math.prod(size_hint(d) for d in v.shape) for n in graph.nodes
+                                   if isinstance(v := n.meta.get("val"), torch.Tensor)), default=0)
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         sizes = _Sizes(graph, placeholders)
         output = graph.output_node()
@@ -271,7 +282,7 @@ class GraphSession:
             self.model = graph.to_onnx(in_pytorch)
             try:
                 self.session = runtime.InferenceSession(
-                    self.model.SerializeToString(), session_options or default_session_options(),
+                    self.model.SerializeToString(), session_options or default_session_options(graph.largest_tensor),
                     providers=_providers(providers, graph.device))
                 break
             except (ort_capi.NotImplemented, ort_capi.InvalidGraph) as e:
@@ -334,8 +345,7 @@ class GraphSession:
             t = inputs[k]
             bind_input(name, device, numpy_type, t.shape, t.data_ptr() or _placeholder_address(t))
         device = self.graph.device
-        outputs = [torch.from_dlpack(_C.context_id_capsule()) if is_context else torch.empty(shape, dtype=dtype,
-                                                                                              device=device)
+        outputs = [_from_dlpack(_C.context_id_capsule()) if is_context else torch.empty(shape, dtype=dtype, device=device)
                    for (dtype, is_context), shape in zip(self.graph.outputs, self.graph.output_shapes(inputs))]
         for (name, ort_device, numpy_type), t in zip(self.output_bindings, outputs):
             bind_output(name, ort_device, numpy_type, t.shape, t.data_ptr() or _placeholder_address(t))
