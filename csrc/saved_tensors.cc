@@ -11,29 +11,34 @@ namespace {
 
 thread_local std::vector<std::vector<uintptr_t>> t_borrowed;  // per open scope, innermost last
 
+struct Hooks {
+  py::object pop, pack, unpack;
+  py::str untyped_storage{"untyped_storage"}, data_ptr{"data_ptr"}, clone{"clone"}, detach{"detach"};
+};
+
+const Hooks& SavedTensorHooks();
+
 // The pack hook: a copy of a tensor whose storage is one of the innermost scope's borrowed
 // buffers, the tensor detached otherwise.
 py::object Pack(py::handle t) {
-  static const py::str untyped_storage("untyped_storage"), data_ptr("data_ptr"), clone("clone"), detach("detach");
+  const Hooks& hooks = SavedTensorHooks();
   if (!t_borrowed.empty()) {
-    const auto storage = t.attr(untyped_storage)().attr(data_ptr)().cast<uintptr_t>();
+    const auto storage = t.attr(hooks.untyped_storage)().attr(hooks.data_ptr)().cast<uintptr_t>();
     const std::vector<uintptr_t>& borrowed = t_borrowed.back();
-    if (std::find(borrowed.begin(), borrowed.end(), storage) != borrowed.end()) return t.attr(clone)();
+    if (std::find(borrowed.begin(), borrowed.end(), storage) != borrowed.end()) return t.attr(hooks.clone)();
   }
-  return t.attr(detach)();
+  return t.attr(hooks.detach)();
 }
 
-struct Hooks {
-  py::object pop, pack, unpack;
-};
-
-const Hooks& SavedTensorHooks() {
+const Hooks& SavedTensorHooks() {  // (kept for the process's life: never destroyed after Python)
   PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<Hooks> hooks;
   return hooks
       .call_once_and_store_result([] {
-        py::module_ runner = Runner();
-        return Hooks{runner.attr("_pop_saved_hooks"), py::cpp_function(Pack),
-                     py::cpp_function([](py::object t) { return t; })};
+        Hooks h;
+        h.pop = Runner().attr("_pop_saved_hooks");
+        h.pack = py::cpp_function(Pack);
+        h.unpack = py::cpp_function([](py::object t) { return t; });
+        return h;
       })
       .get_stored();
 }

@@ -227,27 +227,19 @@ def test_kernel_calls_run_with_grad_mode_set_and_restored(monkeypatch):
     monkeypatch.setattr(_runner.ForwardNode, "run", no_run)
     x = np.arange(3, dtype=np.float32)
     RecordsGradMode.seen.clear()
-    for fail in (False, True):
-        node = python_op(RecordsGradMode, [T("x"), fail], [(TP.FLOAT, 1)], out_names=["y"])
-        sess = session(model([node], [value("x", shape=[3])], [value("y")]), device_path=False)
-        with torch.enable_grad():
-            if fail:
-                with pytest.raises(Exception, match="ValueError: asked to fail"):
-                    sess.run(None, {"x": x})
-            else:
-                np.testing.assert_array_equal(sess.run(None, {"x": x})[0], x + 1)
-            assert torch.is_grad_enabled()
-    for fail in (False, True):
-        node = python_op(RecordsGradMode, [T("x", requires_grad=True), fail], [(TP.FLOAT, 1)], out_names=["y"],
-                         training=True)
-        sess = session(model([node], [value("x", shape=[3])], [value("y")]), device_path=False)
-        with torch.no_grad():
-            if fail:
-                with pytest.raises(Exception, match="ValueError: asked to fail"):
-                    sess.run(None, {"x": x})
-            else:
-                np.testing.assert_array_equal(sess.run(None, {"x": x})[0], x + 1)
-            assert not torch.is_grad_enabled()
+    # (grad mode outside the call is the other one: the kernel sets the call's and restores it)
+    for training, outside in ((False, torch.enable_grad), (True, torch.no_grad)):
+        for fail in (False, True):
+            node = python_op(RecordsGradMode, [T("x", requires_grad=training), fail], [(TP.FLOAT, 1)],
+                             out_names=["y"], training=training)
+            sess = session(model([node], [value("x", shape=[3])], [value("y")]), device_path=False)
+            with outside():
+                if fail:
+                    with pytest.raises(Exception, match="ValueError: asked to fail"):
+                        sess.run(None, {"x": x})
+                else:
+                    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], x + 1)
+                assert torch.is_grad_enabled() != training
     assert RecordsGradMode.seen == [False] * 4  # (Function.apply runs forward without grad mode, training or not)
     assert ortbridge.context_pool_size() == 0
     node = python_op(RecordsGradMode, [T("x"), []], [(TP.FLOAT, 1)], out_names=["y"])
