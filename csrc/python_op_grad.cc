@@ -170,7 +170,8 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
     for (size_t i = 0; i < n; ++i) {
       PyObject* g = layout_.output_requires_grad[i] ? values[layout_.output_positions[i]] : Py_None;
       if (g != Py_None && !IsCpuTensor(g)) return runner_.attr("result")(returned);
-      PyTuple_SET_ITEM(gradients.ptr(), i, g == Py_None ? py::none().release().ptr() : torch.to_dlpack(py::handle(g)).release().ptr());
+      py::object exported = g == Py_None ? py::none() : torch.to_dlpack(py::handle(g));
+      PyTuple_SET_ITEM(gradients.ptr(), i, exported.release().ptr());
     }
     return gradients;
   }

@@ -345,7 +345,8 @@ class GraphSession:
             t = inputs[k]
             bind_input(name, device, numpy_type, t.shape, t.data_ptr() or _placeholder_address(t))
         device = self.graph.device
-        outputs = [_from_dlpack(_C.context_id_capsule()) if is_context else torch.empty(shape, dtype=dtype, device=device)
+        outputs = [_from_dlpack(_C.context_id_capsule()) if is_context
+                   else torch.empty(shape, dtype=dtype, device=device)
                    for (dtype, is_context), shape in zip(self.graph.outputs, self.graph.output_shapes(inputs))]
         for (name, ort_device, numpy_type), t in zip(self.output_bindings, outputs):
             bind_output(name, ort_device, numpy_type, t.shape, t.data_ptr() or _placeholder_address(t))
