@@ -82,7 +82,7 @@ TensorView KernelOutputs::Write(size_t index, PyObject* capsule, int64_t type, i
     throw std::runtime_error(what() + " has shape " + ShapeText(out.shape) + ", but the forward input had shape " +
                              ShapeText(*expected_shape));
   }
-  out.data = AllocateOutput(api_, context_, index, out.shape, type);
+  out.data = Allocate(index, out.shape, type);
   if (out.data == t.data() && t.compact()) {
     g_skipped_copies.fetch_add(1, std::memory_order_relaxed);  // the Function wrote into ORT's buffer
   } else if (CopiedByTorch(static_cast<size_t>(t.element_count()) * t.element_size())) {
@@ -108,7 +108,7 @@ bool KernelOutputs::CopiedByTorch(size_t bytes) const {
 }
 
 void KernelOutputs::Redirect(size_t index, TensorView* input) {
-  void* buffer = AllocateOutput(api_, context_, index, input->shape, input->elem_type);
+  void* buffer = Allocate(index, input->shape, input->elem_type);
   if (buffer == input->data) return;
   const size_t bytes = ByteSize(*input);
   if (CopiedByTorch(bytes)) {
@@ -122,7 +122,7 @@ void KernelOutputs::Redirect(size_t index, TensorView* input) {
 void KernelOutputs::Zeros(size_t index, const TensorMeta& meta) {
   TensorView out;
   static_cast<TensorMeta&>(out) = meta;
-  out.data = AllocateOutput(api_, context_, index, meta.shape, meta.elem_type);
+  out.data = Allocate(index, meta.shape, meta.elem_type);
   if (placement_.via_torch()) {
     TorchFill(runner_, out, placement_.device, 0);
   } else {
@@ -133,7 +133,7 @@ void KernelOutputs::Zeros(size_t index, const TensorMeta& meta) {
 void KernelOutputs::Scalar(size_t index, int64_t value) {
   TensorView out;
   out.elem_type = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
-  out.data = AllocateOutput(api_, context_, index, {}, out.elem_type);
+  out.data = Allocate(index, {}, out.elem_type);
   if (placement_.via_torch()) {
     TorchFill(runner_, out, placement_.device, value);
   } else {

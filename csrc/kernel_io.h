@@ -28,8 +28,9 @@ py::tuple BorrowInputs(const std::vector<TensorView>& inputs, dl::Device device)
 // is open). GIL held.
 class KernelOutputs {
  public:
-  KernelOutputs(const OrtApi& api, OrtKernelContext* context, const Placement& placement, const py::object& runner)
-      : api_(api), context_(context), placement_(placement), runner_(runner) {}
+  KernelOutputs(const OrtApi& api, OrtKernelContext* context, const Placement& placement, const py::object& runner,
+                CheckedOutputs& checked)
+      : api_(api), context_(context), placement_(placement), runner_(runner), checked_(checked) {}
 
   // Writes `capsule` (a tensor from Python) to output `index`, after checking that it lives on
   // the kernel's device and has `type` and `rank` (and `expected_shape`, when given); returns
@@ -52,11 +53,15 @@ class KernelOutputs {
  private:
   // Whether torch makes a copy of `bytes`: always off the CPU; on it, large ones.
   bool CopiedByTorch(size_t bytes) const;
+  void* Allocate(size_t index, const std::vector<int64_t>& shape, int64_t elem_type) {
+    return AllocateOutput(api_, context_, index, shape, elem_type, checked_.FirstAllocation(index));
+  }
 
   const OrtApi& api_;
   OrtKernelContext* context_;
   const Placement& placement_;
   const py::object& runner_;
+  CheckedOutputs& checked_;
 };
 
 }  // namespace ortbridge

@@ -135,9 +135,10 @@ bool GetInputTensor(const OrtApi&, OrtKernelContext* ctx, size_t index, TensorVi
 }
 
 void* AllocateOutput(const OrtApi&, OrtKernelContext* ctx, size_t index, const std::vector<int64_t>& shape,
-                     int64_t elem_type) {
+                     int64_t elem_type, bool check) {
   Ort::UnownedValue value = Ort::KernelContext(ctx).GetOutput(index, shape);
   if (!value) throw std::runtime_error("output " + std::to_string(index) + " has no value in the graph");
+  if (!check) return value.GetTensorMutableRawData();
   Ort::TensorTypeAndShapeInfo info = value.GetTensorTypeAndShapeInfo();
   size_t expected = 1;
   for (int64_t d : shape) expected *= static_cast<size_t>(d);

@@ -5,6 +5,7 @@
 #include <cxxabi.h>
 #include <onnxruntime_c_api.h>
 
+#include <atomic>
 #include <cstdio>
 #include <stdexcept>
 #include <string>
@@ -107,9 +108,25 @@ struct TensorView : TensorMeta {
 };
 // Returns false when the (optional) input is absent.
 bool GetInputTensor(const OrtApi& api, OrtKernelContext* ctx, size_t index, TensorView* out);
-// Allocates output `index` with `shape` and returns its buffer, after checking that ORT gave it
-// `elem_type` and room for every element (what the caller then writes).
+// Allocates output `index` with `shape` and returns its buffer; with `check`, after checking that
+// ORT gave it `elem_type` and room for every element (what the caller then writes).
 void* AllocateOutput(const OrtApi& api, OrtKernelContext* ctx, size_t index, const std::vector<int64_t>& shape,
-                     int64_t elem_type);
+                     int64_t elem_type, bool check = true);
+
+// The outputs of one kernel whose allocation has been checked. One check per output suffices:
+// ORT allocates an output by its graph type, the same in every run, with the shape the kernel
+// asks for, and refuses a pre-bound buffer of another type or shape itself. (Asking ORT for an
+// output's type and shape costs about a sixth of a small PythonOp's own work.)
+class CheckedOutputs {
+ public:
+  explicit CheckedOutputs(size_t outputs) : checked_(outputs) {}
+  // Whether output `index` is still to be checked; true once per output.
+  bool FirstAllocation(size_t index) {
+    return index >= checked_.size() || !checked_[index].exchange(true, std::memory_order_relaxed);
+  }
+
+ private:
+  std::vector<std::atomic<bool>> checked_;  // (sessions may run a kernel on several threads at once)
+};
 
 }  // namespace ortbridge

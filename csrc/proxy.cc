@@ -12,7 +12,16 @@
 namespace ortbridge {
 namespace {
 std::atomic<bool> g_shutdown{false};
-thread_local std::vector<std::vector<int64_t>> t_run_scopes;  // context ids per open run
+// One open session run on this thread (see BeginRunScope).
+struct RunScope {
+  std::vector<int64_t> ids;            // the contexts its kernels made
+  int kernel_depth = 0;                // the kernel calls open on this thread when it began
+  std::optional<bool> grad_mode;       // torch's grad mode at its start, once a kernel changed it
+};
+thread_local std::vector<RunScope> t_run_scopes;  // innermost last
+thread_local int t_kernel_depth = 0;             // kernel calls holding a KernelGil on this thread
+
+void SetGradMode(bool enabled) { Call(Torch().set_grad_enabled, {enabled ? Py_True : Py_False}); }
 }
 
 PythonContextPool& Contexts() {
@@ -22,16 +31,18 @@ PythonContextPool& Contexts() {
 
 int64_t AddContext(SavedContext saved) {
   int64_t id = Contexts().Add(std::move(saved));
-  if (!t_run_scopes.empty()) t_run_scopes.back().push_back(id);
+  if (!t_run_scopes.empty()) t_run_scopes.back().ids.push_back(id);
   return id;
 }
 
-void BeginRunScope() { t_run_scopes.emplace_back(); }
+void BeginRunScope() { t_run_scopes.push_back({{}, t_kernel_depth, std::nullopt}); }
 
 std::vector<int64_t> EndRunScope(bool failed) {
   if (t_run_scopes.empty()) return {};
-  std::vector<int64_t> ids = std::move(t_run_scopes.back());
+  RunScope scope = std::move(t_run_scopes.back());
   t_run_scopes.pop_back();
+  if (scope.grad_mode) SetGradMode(*scope.grad_mode);
+  std::vector<int64_t>& ids = scope.ids;
   std::vector<int64_t> unheld;
   if (failed) {
     for (int64_t id : ids) Contexts().Take(id);  // dropped here, GIL held
@@ -43,6 +54,16 @@ std::vector<int64_t> EndRunScope(bool failed) {
     if (Contexts().Contains(id) && held.count(id) == 0) unheld.push_back(id);
   }
   return unheld;
+}
+
+KernelGil::KernelGil() {
+  new (&storage_) py::gil_scoped_acquire();
+  ++t_kernel_depth;
+}
+
+KernelGil::~KernelGil() {
+  --t_kernel_depth;
+  if (!InterpreterFinalizing()) reinterpret_cast<py::gil_scoped_acquire*>(&storage_)->~gil_scoped_acquire();
 }
 
 void RequirePython() {
@@ -79,14 +100,31 @@ const TorchCalls& Torch() {
       .get_stored();
 }
 
+py::object Call(py::handle f, std::initializer_list<py::handle> args) {
+  static_assert(sizeof(py::handle) == sizeof(PyObject*), "a handle is its pointer");
+  PyObject* returned = PyObject_Vectorcall(f.ptr(), reinterpret_cast<PyObject* const*>(args.begin()), args.size(),
+                                           nullptr);
+  if (!returned) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(returned);
+}
+
 py::object CallWithGradMode(py::handle callable, const py::tuple& args, bool grad_enabled) {
-  const TorchCalls& torch = Torch();
-  const bool switched = (torch.is_grad_enabled().ptr() == Py_True) != grad_enabled;
-  if (switched) torch.set_grad_enabled(grad_enabled);
+  const bool was_enabled = Call(Torch().is_grad_enabled).ptr() == Py_True;
+  // A kernel that a run scope's session calls directly leaves the mode it set to the next
+  // kernel, and the scope puts back the caller's: a graph of inference nodes switches once a run,
+  // not twice a node. Elsewhere (no scope; a session run by a Function, inside another call) the
+  // mode is restored after the call.
+  RunScope* scope = t_run_scopes.empty() ? nullptr : &t_run_scopes.back();
+  if (scope && scope->kernel_depth + 1 != t_kernel_depth) scope = nullptr;
+  const bool switched = was_enabled != grad_enabled;
+  if (switched) {
+    if (scope && !scope->grad_mode) scope->grad_mode = was_enabled;
+    SetGradMode(grad_enabled);
+  }
   PyObject* returned = PyObject_Call(callable.ptr(), args.ptr(), nullptr);
   std::optional<py::error_already_set> error;
   if (!returned) error.emplace();  // (taken off the interpreter before grad mode is restored)
-  if (switched) torch.set_grad_enabled(!grad_enabled);
+  if (switched && !scope) SetGradMode(was_enabled);
   if (error) throw *error;
   return py::reinterpret_steal<py::object>(returned);
 }

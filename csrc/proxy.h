@@ -4,6 +4,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include <initializer_list>
 #include <new>
 #include <string>
 
@@ -35,7 +36,8 @@ int64_t AddContext(SavedContext saved);
 // created (their ids never reached the caller); a run which succeeds returns the ids of those
 // still live and not held by a context-id tensor, which the caller keeps only if the run's outputs
 // hold them. Scopes nest, as a Function may run a session itself. Contexts created on other
-// threads (ORT's parallel executor) are not covered.
+// threads (ORT's parallel executor) are not covered. A scope's end also puts back torch's grad
+// mode as it was at its start (see CallWithGradMode).
 void BeginRunScope();
 std::vector<int64_t> EndRunScope(bool failed);
 
@@ -45,12 +47,10 @@ std::vector<int64_t> EndRunScope(bool failed);
 // process is exiting; the state is left as it is.
 class KernelGil {
  public:
-  KernelGil() { new (&storage_) py::gil_scoped_acquire(); }
+  KernelGil();  // (also counts the kernel calls open on this thread: see CallWithGradMode)
   KernelGil(const KernelGil&) = delete;
   KernelGil& operator=(const KernelGil&) = delete;
-  ~KernelGil() {
-    if (!InterpreterFinalizing()) reinterpret_cast<py::gil_scoped_acquire*>(&storage_)->~gil_scoped_acquire();
-  }
+  ~KernelGil();
 
  private:
   static bool InterpreterFinalizing() {
@@ -79,8 +79,13 @@ struct TorchCalls {
 };
 const TorchCalls& Torch();
 
+// f(), f(arg), f(a, b) through CPython's vectorcall (pybind11's calls build an argument tuple
+// first); a Python error becomes py::error_already_set.
+py::object Call(py::handle f, std::initializer_list<py::handle> args = {});
+
 // callable(*args) with torch's grad mode set to `grad_enabled`, and restored after it, also when
-// it raises (then py::error_already_set).
+// it raises (then py::error_already_set); for a kernel of the session that the innermost run
+// scope runs, restored when that scope ends instead.
 py::object CallWithGradMode(py::handle callable, const py::tuple& args, bool grad_enabled);
 
 // What a Function's forward or backward returned, as a list of its items (borrowed): itself when

@@ -38,6 +38,7 @@ class PythonKernel {
           api, node, Kernel::Parse(KernelInfoAttributes(api, info), inputs.size(), outputs.size()));
       prefix = kernel->error_prefix_;
       kernel->placement_ = PlacementOf(api, info, backend);
+      kernel->checked_outputs_ = std::make_unique<CheckedOutputs>(outputs.size());
       // ORT allocates outputs by the graph's types (which are the attributes' only when shape
       // inference succeeded: ORT ignores its status), so the two must agree before any write.
       kernel->CheckValues(inputs, outputs);
@@ -62,6 +63,7 @@ class PythonKernel {
   py::object runner_;                   // ortbridge._runner's node: runs the Function, writes device buffers
   py::object run_;                      // its bound `run` method
   const PyObject* function_ = nullptr;  // the Function class: contexts belong to it
+  std::unique_ptr<CheckedOutputs> checked_outputs_;
 };
 
 // Refuses a node input or output that the kernel reads or writes when the graph leaves it

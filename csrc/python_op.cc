@@ -44,7 +44,7 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
       KernelGil gil;
       try {
         StreamScope stream(api_, context, placement_, runner_);
-        KernelOutputs writer(api_, context, placement_, runner_);
+        KernelOutputs writer(api_, context, placement_, runner_, *checked_outputs_);
         for (auto [output, input] : layout_.in_place) {  // an output of another rank is a view: not in place
           if (inputs[input].shape.size() == static_cast<size_t>(layout_.output_tensor_ranks[output - 1])) {
             writer.Redirect(output, &inputs[input]);
@@ -132,11 +132,11 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
     if (torch.functorch_active().ptr() == Py_True) return run_(BorrowInputs(inputs, placement_.device));
     const py::tuple capsules = BorrowInputs(inputs, placement_.device);
     py::list tensors(capsules.size());
-    for (size_t i = 0; i < capsules.size(); ++i) tensors[i] = torch.from_dlpack(capsules[i]);
+    for (size_t i = 0; i < capsules.size(); ++i) tensors[i] = Call(torch.from_dlpack, {capsules[i]});
     const bool training = layout_.training_mode;
     if (training) {
       for (size_t i = 0; i < inputs.size(); ++i) {
-        if (layout_.requires_grad[i]) tensors[i].attr(torch.requires_grad_)();
+        if (layout_.requires_grad[i]) Call(tensors[i].attr(torch.requires_grad_));
       }
     }
     const size_t argument_count = PyTuple_GET_SIZE(direct_.args.ptr());
@@ -161,7 +161,7 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
     py::tuple result(n + 1);
     PyTuple_SET_ITEM(result.ptr(), 0, (training ? Context(items, inputs) : py::none()).release().ptr());
     for (size_t i = 0; i < n; ++i) {
-      PyTuple_SET_ITEM(result.ptr(), i + 1, torch.to_dlpack(py::handle(items[i])).release().ptr());
+      PyTuple_SET_ITEM(result.ptr(), i + 1, Call(torch.to_dlpack, {items[i]}).release().ptr());
     }
     return result;
   }

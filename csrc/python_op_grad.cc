@@ -54,7 +54,7 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
       CheckMatchesForward(*saved);
       try {
         StreamScope stream(api_, context, placement_, runner_);
-        KernelOutputs writer(api_, context, placement_, runner_);
+        KernelOutputs writer(api_, context, placement_, runner_, *checked_outputs_);
         // One capsule or None per gradient output; None where no gradient is wanted or the
         // Function gave none (written as zeros).
         const bool all_present = layout_.grad_input_slots.size() == layout_.input_tensor_types.size();
@@ -160,7 +160,7 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
     py::tuple args(capsules.size() + 1);
     PyTuple_SET_ITEM(args.ptr(), 0, ctx.inc_ref().ptr());
     for (size_t i = 0; i < capsules.size(); ++i) {
-      PyTuple_SET_ITEM(args.ptr(), i + 1, torch.from_dlpack(capsules[i]).release().ptr());
+      PyTuple_SET_ITEM(args.ptr(), i + 1, Call(torch.from_dlpack, {capsules[i]}).release().ptr());
     }
     const py::object returned = CallWithGradMode(direct_, args, false);
     const std::vector<PyObject*> values = ReturnedItems(returned.ptr());
@@ -170,7 +170,7 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
     for (size_t i = 0; i < n; ++i) {
       PyObject* g = layout_.output_requires_grad[i] ? values[layout_.output_positions[i]] : Py_None;
       if (g != Py_None && !IsCpuTensor(g)) return runner_.attr("result")(returned);
-      py::object exported = g == Py_None ? py::none() : torch.to_dlpack(py::handle(g));
+      py::object exported = g == Py_None ? py::none() : Call(torch.to_dlpack, {g});
       PyTuple_SET_ITEM(gradients.ptr(), i, exported.release().ptr());
     }
     return gradients;

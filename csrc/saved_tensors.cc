@@ -13,6 +13,7 @@ thread_local std::vector<std::vector<uintptr_t>> t_borrowed;  // per open scope,
 
 struct Hooks {
   py::object pop, pack, unpack;
+  py::str push{"_push_saved_hooks"};
   py::str untyped_storage{"untyped_storage"}, data_ptr{"data_ptr"}, clone{"clone"}, detach{"detach"};
 };
 
@@ -48,14 +49,14 @@ const Hooks& SavedTensorHooks() {  // (kept for the process's life: never destro
 void BeginSaving(std::vector<uintptr_t> borrowed) {
   const Hooks& hooks = SavedTensorHooks();
   // (looked up per call, not kept: benchmarks/step_memory.py wraps it to see what is saved)
-  Runner().attr("_push_saved_hooks")(hooks.pack, hooks.unpack);
+  Call(Runner().attr(hooks.push), {hooks.pack, hooks.unpack});
   t_borrowed.push_back(std::move(borrowed));
 }
 
 void EndSaving() {
   if (t_borrowed.empty()) return;
   t_borrowed.pop_back();
-  SavedTensorHooks().pop();
+  Call(SavedTensorHooks().pop);
 }
 
 SavingScope::SavingScope(std::vector<uintptr_t> borrowed) { BeginSaving(std::move(borrowed)); }

@@ -246,3 +246,50 @@ def test_kernel_calls_run_with_grad_mode_set_and_restored(monkeypatch):
     sess = session(model([node], [value("x", shape=[3])], [value("y")]), device_path=False)
     with pytest.raises(Exception, match="ForwardNode.run was called"):
         sess.run(None, {"x": x})
+
+
+@ortbridge.register
+class RunsASession(torch.autograd.Function):
+    """Runs RunsASession.inner (a session of one training node) in its forward, recording grad
+    mode before and after that run."""
+
+    inner = None
+    seen: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        before = torch.is_grad_enabled()
+        y, context_id = RunsASession.inner.run(["y", "ctx"], {"x": x.numpy()})
+        ortbridge.release_context(int(context_id))
+        RunsASession.seen.append((before, torch.is_grad_enabled()))
+        return torch.from_numpy(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def test_grad_mode_is_kept_for_a_runs_next_kernel_and_restored_at_its_end():
+    # A kernel of the session a run scope runs leaves the grad mode it set to the next kernel (an
+    # inference graph switches once a run); the scope's end puts the caller's back. A session that
+    # a Function runs inside that run gets its kernels' modes restored after each call, with a
+    # run scope of its own (ortbridge's session) or without (onnxruntime's).
+    x = np.arange(3, dtype=np.float32)
+    inner = model([python_op(Triple, [T("x", requires_grad=True)], [(TP.FLOAT, 1), (TP.INT64, 0)],
+                             out_names=["y", "n"], training=True)],
+                  [value("x", shape=[3])], [value("y"), value("ctx", TP.INT64)])
+    outer = session(model([python_op(RunsASession, [T("x")], [(TP.FLOAT, 1)], out_names=["y"]),
+                           python_op(RunsASession, [T("y")], [(TP.FLOAT, 1)], out_names=["z"], ctx_name="ctx2",
+                                     name="fw2")],
+                          [value("x", shape=[3])], [value("z")]))
+    for inner_session in (session(inner), ort.InferenceSession(inner, ortbridge.session_options(),
+                                                               providers=["CPUExecutionProvider"])):
+        RunsASession.inner = inner_session
+        RunsASession.seen.clear()
+        for outside in (torch.enable_grad, torch.no_grad):
+            with outside():
+                np.testing.assert_array_equal(outer.run(None, {"x": x})[0], x * 9)
+                assert torch.is_grad_enabled() == (outside is torch.enable_grad)
+        # (the inner node, training, turns grad mode on; the Function's forward has it off)
+        assert RunsASession.seen == [(False, False)] * 4
+    assert ortbridge.context_pool_size() == 0
