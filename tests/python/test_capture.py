@@ -391,6 +391,24 @@ def test_default_threads_one_for_small_graphs():
             assert session.session.get_session_options().intra_op_num_threads == threads
 
 
+def test_unread_context_ids_of_inference_nodes_are_left_unnamed():
+    # An inference PythonOp's context id (0) that nothing reads costs its kernel an allocation:
+    # the eval graph leaves it unnamed. A training PythonOp's id is named (backward takes it).
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _Calls(Gelu))
+    wrapped = ortbridge.OrtModule(model)
+    x = torch.randn(3, 4)
+    wrapped(x).sum().backward()
+    wrapped.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(x), model(x))
+    context_ids = {}  # training_mode -> output 0 of each PythonOp
+    for capture in _all_captures(wrapped):
+        for node in (n for s in capture.sessions if s.model for n in s.model.graph.node if n.op_type == "PythonOp"):
+            training = any(a.name == "training_mode" and a.i for a in node.attribute)
+            context_ids.setdefault(training, []).append(node.output[0])
+    assert context_ids[False] == [""] and len(context_ids[True]) == 1 and context_ids[True][0]
+
+
 def test_backend_options(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
     compiled = torch.compile(model, backend="ortbridge", options={"save_graphs": str(tmp_path)})
