@@ -32,8 +32,9 @@ void ReleaseContextId(dl::ManagedTensor* self) {
 
 }  // namespace
 
-PyObject* NewContextIdCapsule() {
+PyObject* NewContextIdCapsule(int64_t id) {
   auto* holder = new ContextIdTensor;
+  holder->id = id;
   dl::Tensor& t = holder->managed.dl_tensor;
   t.data = &holder->id;
   t.device = {dl::kCPU, 0};

@@ -9,10 +9,10 @@
 
 namespace ortbridge {
 
-// A new "dltensor" capsule over a 0-d int64 tensor holding 0 (no context). The forward session
-// writes the context id into it; the DLPack deleter (run when the tensor is freed, on any
+// A new "dltensor" capsule over a 0-d int64 tensor holding `id` (by default no context, for a
+// forward session to write an id into). The DLPack deleter (run when the tensor is freed, on any
 // thread) releases that context if it is still live.
-PyObject* NewContextIdCapsule();
+PyObject* NewContextIdCapsule(int64_t id = 0);
 
 // The ids that live context-id tensors hold (torch, not a run scope, decides their lifetime).
 std::unordered_set<int64_t> HeldByContextIdTensors();

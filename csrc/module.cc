@@ -70,13 +70,14 @@ PYBIND11_MODULE(_C, m) {
       py::arg("context_id"), "Drops a context whose backward will never run. Returns whether it was live.");
   m.def(
       "context_id_capsule",
-      [] {
-        PyObject* capsule = ortbridge::NewContextIdCapsule();
+      [](int64_t id) {
+        PyObject* capsule = ortbridge::NewContextIdCapsule(id);
         if (!capsule) throw py::error_already_set();
         return py::reinterpret_steal<py::object>(capsule);
       },
-      "A DLPack capsule over a 0-d int64 tensor for a forward session to write a context id into; "
-      "freeing the tensor releases that context unless a backward took it.");
+      py::arg("context_id") = 0,
+      "A DLPack capsule over a 0-d int64 tensor holding a context id (or 0, for a forward session to "
+      "write one into); freeing the tensor releases that context unless a backward took it.");
   m.def(
       "element_types",
       [] {

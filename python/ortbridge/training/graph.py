@@ -164,7 +164,7 @@ def _device_of(values: list) -> torch.device:
     """The one device of a graph's tensor inputs and outputs (nodes), context ids aside: they
     live on the host."""
     devices = {v.meta["val"].device for v in values if isinstance(v.meta.get("val"), torch.Tensor)
-               and not _is_context_id(v) and not any(u.target is _PYTHON_OP_GRAD and u.args[0] is v for u in v.users)}
+               and not _is_context_id(v) and not _is_context_input(v)}
     if len(devices) > 1:
         raise NotImplementedError(f"the graph's tensors are on {' and '.join(sorted(map(str, devices)))}; "
                                   "ortbridge runs a graph on one device: move the module and its arguments there")
@@ -204,6 +204,11 @@ def _providers(providers, device: torch.device) -> list:
 def _is_context_id(node: torch.fx.Node) -> bool:
     return (node.op == "call_function" and node.target is operator.getitem and node.args[1] == 0
             and node.args[0].target is _PYTHON_OP)
+
+
+def _is_context_input(node: torch.fx.Node) -> bool:
+    """Whether a backward graph's input is a context id (a PythonOpGrad takes it as its context)."""
+    return any(u.target is _PYTHON_OP_GRAD and u.args[0] is node for u in node.users)
 
 
 class OnnxGraph:
@@ -251,6 +256,7 @@ class OnnxGraph:
                 if ids[0] not in computed:
                     computed.append(ids[0])
         self.device = _device_of(placeholders + computed)
+        self.context_inputs = {k for k, p in enumerate(placeholders) if _is_context_input(p)}  # (argument indices)
         self.outputs = [(n.meta["val"].dtype, _is_context_id(n)) for n in computed]  # (dtype, is a context id)
         output_shapes = [list(n.meta["val"].shape) for n in computed]
         self.output_shapes = sizes.at_run_time(output_shapes) or (lambda args, shapes=output_shapes: shapes)
@@ -324,15 +330,19 @@ class GraphSession:
             raise RuntimeError(f"the exported graph has {len(input_names)} inputs and {len(output_names)} "
                                f"outputs, the captured one {len(graph.tensor_inputs)} and {len(graph.outputs)}")
         # What each run binds: (ONNX name, argument index, ORT device, numpy type) per input, (name,
-        # ORT device, numpy type) per output; context ids are on the host. Bound through the C
-        # binding: the Python wrapper costs ~10 us per tensor.
-        cpu, on_device = _ort_device(torch.device("cpu")), _ort_device(graph.device)
+        # ORT device, numpy type) per output, through the C binding (the Python wrapper costs ~10 us
+        # per tensor). Context ids are bound once per binding instead (see _Binding).
+        on_device = _ort_device(graph.device)
         self.input_bindings = [(name, k, _ort_device(value.device), _dtypes.numpy_type(value.dtype))
-                               for name, k, value in zip(input_names, graph.tensor_inputs, graph.input_values)]
-        self.output_bindings = [(name, cpu if is_context else on_device, _dtypes.numpy_type(dtype))
-                                for name, (dtype, is_context) in zip(output_names, graph.outputs)]
+                               for name, k, value in zip(input_names, graph.tensor_inputs, graph.input_values)
+                               if k not in graph.context_inputs]
+        self.output_bindings = [(name, on_device, _dtypes.numpy_type(dtype))
+                                for name, (dtype, is_context) in zip(output_names, graph.outputs) if not is_context]
+        self.context_inputs = [(name, k) for name, k in zip(input_names, graph.tensor_inputs)
+                               if k in graph.context_inputs]
+        self.context_outputs = [name for name, (_, is_context) in zip(output_names, graph.outputs) if is_context]
         self.stream = _cuda_stream(graph.device) if graph.device.type == "cuda" else None
-        self._bindings: list = []  # IOBindings not in use
+        self._bindings: list[_Binding] = []  # not in use
 
     def __call__(self, args: list) -> list:
         if torch.is_inference_mode_enabled():  # Functions see normal tensors, as in an ORT session of their own
@@ -353,25 +363,33 @@ class GraphSession:
     def _run_session(self, inputs: list) -> list:
         # ORT's own IOBinding binding, reused: its Python wrapper asks the session for its
         # providers on every run. One per concurrent run (another thread, a nested call).
-        binding = self._bindings.pop() if self._bindings else ort_capi.SessionIOBinding(self.session._sess)
+        binding = self._bindings.pop() if self._bindings else _Binding(self.session, self.context_inputs,
+                                                                         self.context_outputs)
         try:
             return self._run_bound(binding, inputs)
         finally:
             self._bindings.append(binding)
 
-    def _run_bound(self, binding, inputs: list) -> list:
-        bind_input, bind_output = binding.bind_input, binding.bind_output
+    def _run_bound(self, binding: _Binding, inputs: list) -> list:
+        bind_input, bind_output = binding.ort.bind_input, binding.ort.bind_output
         for name, k, device, numpy_type in self.input_bindings:
             t = inputs[k]
             bind_input(name, device, numpy_type, t.shape, t.data_ptr() or _placeholder_address(t))
+        if self.context_inputs:
+            torch.stack([inputs[k] for _, k in self.context_inputs], out=binding.ids_in)
         device = self.graph.device
-        outputs = [_from_dlpack(_C.context_id_capsule()) if is_context
-                   else torch.empty(shape, dtype=dtype, device=device)
+        outputs = [None if is_context else torch.empty(shape, dtype=dtype, device=device)
                    for (dtype, is_context), shape in zip(self.graph.outputs, self.graph.output_shapes(inputs))]
-        for (name, ort_device, numpy_type), t in zip(self.output_bindings, outputs):
+        for (name, ort_device, numpy_type), t in zip(self.output_bindings, (t for t in outputs if t is not None)):
             bind_output(name, ort_device, numpy_type, t.shape, t.data_ptr() or _placeholder_address(t))
-        # (every context id this run makes is held by its output tensor: the scope releases any other)
-        run = functools.partial(self.session._sess.run_with_iobinding, binding, None)
+
+        def run():
+            self.session._sess.run_with_iobinding(binding.ort, None)
+            # Each context id in a tensor that owns it, made before the run scope ends (which
+            # releases the contexts no tensor holds).
+            ids = iter(binding.ids_out.tolist())
+            outputs[:] = [_from_dlpack(_C.context_id_capsule(next(ids))) if t is None else t for t in outputs]
+
         if self.stream is None:
             runtime.in_run_scope(run, _no_outputs)
             return outputs
@@ -384,6 +402,22 @@ class GraphSession:
             runtime.in_run_scope(run, _no_outputs)
             current.wait_stream(self.stream)
         return outputs
+
+
+class _Binding:
+    """ORT's IOBinding of a session, with its context ids bound once to buffers of their own (a
+    bind costs about as much as a Function call): ORT writes a forward graph's ids into `ids_out`;
+    a backward graph's are copied into `ids_in` before each run. One per concurrent run."""
+
+    def __init__(self, session, context_inputs: list, context_outputs: list):
+        self.ort = ort_capi.SessionIOBinding(session._sess)
+        self.ids_in = torch.zeros(len(context_inputs), dtype=torch.int64)
+        self.ids_out = torch.zeros(len(context_outputs), dtype=torch.int64)
+        cpu, int64 = _ort_device(torch.device("cpu")), _dtypes.numpy_type(torch.int64)
+        for j, (name, _) in enumerate(context_inputs):
+            self.ort.bind_input(name, cpu, int64, [], self.ids_in.data_ptr() + 8 * j)
+        for j, name in enumerate(context_outputs):
+            self.ort.bind_output(name, cpu, int64, [], self.ids_out.data_ptr() + 8 * j)
 
 
 def _no_outputs(result) -> tuple:
