@@ -2,6 +2,7 @@
 timings are not asserted here."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -16,7 +17,9 @@ BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
     ("train_step.py", ["--quick", "--in-pytorch", "convolution"], "+in PyTorch ms"),
     ("onnx_train_step.py", ["--quick"], "ratio"),
     ("capture_time.py", ["--quick"], "largest phase"),
-    ("step_memory.py", ["--quick", "--models", "Block", "--variants", "eager,OrtModule"], "xpeak")])
+    ("step_memory.py", ["--quick", "--models", "Block", "--variants", "eager,OrtModule"], "xpeak"),
+    pytest.param("instructions.py", ["--quick"], "Ir/op", marks=pytest.mark.skipif(
+        shutil.which("valgrind") is None, reason="needs valgrind (callgrind), which this machine lacks"))])
 def test_benchmark_runs(script, args, marker):
     proc = subprocess.run([sys.executable, os.path.join(BENCHMARKS, script), *args],
                           capture_output=True, text=True, timeout=300)

@@ -1,0 +1,111 @@
+"""Instructions per Function call, counted by valgrind's callgrind: overhead.py's measures without
+the noise of a shared machine.
+
+What is measured
+----------------
+The configurations of overhead.py, each in a child process under `valgrind --tool=callgrind`
+with instrumentation off until it has warmed up (so imports and captures are not counted): then
+N calls are counted (Ir, instructions executed in user space). Per op = (Ir(K=64) - Ir(K=1)) / 63
+/ N, for ORT and for eager, and their ratio:
+  inference   the hand-built chain of K PythonOps (training_mode=0) against K Function.apply
+              calls under no_grad;
+  training    K PythonOps then K PythonOpGrads in one graph, against forward and backward of
+              K Function.apply calls;
+  train/eval  a module calling Clone.apply K times, OrtModule against eager (overhead.py
+              --modes ortmodule).
+Instructions are not time: ORT's path runs more code in more libraries than eager (fewer
+instructions per cycle), so time ratios come out above these; but they repeat to the last digit,
+where this machine's timings move by 10-50% between runs, so a change's effect shows here first.
+
+Needs valgrind (exits with status 2 and says so without it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+KS = (1, 64)
+CONFIGS = {  # name: (ORT variant, eager variant)
+    "inference": ("ort", "eager"),
+    "training": ("ort", "eager"),
+    "train": ("OrtModule", "eager"),
+    "eval": ("OrtModule", "eager"),
+}
+
+
+def child(config: str, variant: str, k: int, calls: int) -> None:
+    """Runs in the child process under callgrind: warm up, then count `calls` calls."""
+    import torch
+    import overhead
+
+    if config in ("inference", "training"):
+        ort_call, eager_call, check = overhead.make_calls(config, k)
+        check()
+        call = ort_call if variant == "ort" else eager_call
+        grad = torch.no_grad() if (config == "inference" and variant == "eager") else torch.enable_grad()
+    else:
+        steps, check = overhead.make_module_steps(config == "train", k, compiled=False)
+        error = check()
+        if error:
+            sys.exit(error)
+        call, grad = steps[variant], torch.enable_grad()
+    control = ["callgrind_control", "--instr=on", str(os.getpid())]
+    with grad:
+        for _ in range(20):
+            call()
+        subprocess.run(control, check=True, stdout=subprocess.DEVNULL)
+        for _ in range(3):
+            call()
+        subprocess.run(["callgrind_control", "--zero", str(os.getpid())], check=True, stdout=subprocess.DEVNULL)
+        for _ in range(calls):
+            call()
+        subprocess.run(["callgrind_control", "--dump", str(os.getpid())], check=True, stdout=subprocess.DEVNULL)
+
+
+def count(config: str, variant: str, k: int, calls: int) -> int:
+    """Instructions of `calls` calls of one configuration."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "callgrind.out")
+        subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
+                        sys.executable, __file__, "--child", config, variant, str(k), str(calls)],
+                       check=True, capture_output=True, text=True)
+        dumps = [f for f in os.listdir(tmp) if f.startswith("callgrind.out.")]  # (the --dump's, not the exit's)
+        with open(os.path.join(tmp, dumps[0])) as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(("summary:", "totals:")))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--calls", type=int, default=20, help="counted calls per configuration")
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, from " + ", ".join(CONFIGS))
+    p.add_argument("--quick", action="store_true", help="inference only, 2 calls (a smoke run)")
+    p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        config, variant, k, calls = args.child
+        child(config, variant, int(k), int(calls))
+        return 0
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        print("instructions.py needs valgrind (callgrind and callgrind_control): not found", file=sys.stderr)
+        return 2
+    configs = ["inference"] if args.quick else [c.strip() for c in args.configs.split(",") if c.strip()]
+    calls = 2 if args.quick else args.calls
+    print(f"instructions (Ir) per call, callgrind, {calls} counted calls per configuration; "
+          "per op = (Ir(K=64) - Ir(K=1)) / 63")
+    print(f"{'config':10s} {'ORT Ir/op':>10s} {'eager Ir/op':>12s} {'ratio':>6s}")
+    for config in configs:
+        per_op = []
+        for variant in CONFIGS[config]:
+            ir = {k: count(config, variant, k, calls) for k in KS}
+            per_op.append((ir[KS[1]] - ir[KS[0]]) / (KS[1] - KS[0]) / calls)
+        print(f"{config:10s} {per_op[0]:10.0f} {per_op[1]:12.0f} {per_op[0] / per_op[1]:6.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
