@@ -9,10 +9,9 @@
 
 namespace ortbridge {
 
-// A new "dltensor" capsule over a 0-d int64 tensor holding `id` (by default no context, for a
-// forward session to write an id into). The DLPack deleter (run when the tensor is freed, on any
-// thread) releases that context if it is still live.
-PyObject* NewContextIdCapsule(int64_t id = 0);
+// A new "dltensor" capsule over a 0-d int64 tensor holding `id`. The DLPack deleter (run when the
+// tensor is freed, on any thread) releases that context if it is still live.
+PyObject* NewContextIdCapsule(int64_t id);
 
 // The ids that live context-id tensors hold (torch, not a run scope, decides their lifetime).
 std::unordered_set<int64_t> HeldByContextIdTensors();

@@ -75,9 +75,9 @@ PYBIND11_MODULE(_C, m) {
         if (!capsule) throw py::error_already_set();
         return py::reinterpret_steal<py::object>(capsule);
       },
-      py::arg("context_id") = 0,
-      "A DLPack capsule over a 0-d int64 tensor holding a context id (or 0, for a forward session to "
-      "write one into); freeing the tensor releases that context unless a backward took it.");
+      py::arg("context_id"),
+      "A DLPack capsule over a 0-d int64 tensor holding a context id; freeing the tensor releases "
+      "that context unless a backward took it.");
   m.def(
       "element_types",
       [] {
