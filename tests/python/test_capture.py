@@ -357,6 +357,29 @@ class _Calls(torch.nn.Module):
         return self.func.apply(x, *self.constants)
 
 
+# --- the forward/backward split ---------------------------------------------------------------
+
+def test_saved_views_of_weights_are_made_in_the_backward_graph():
+    # torch saves t(weight) of a Linear for backward as a free view; as a forward graph output it
+    # would be a Transpose made at every run (and a reshaped activation a copy). The split saves
+    # the weight and the activation, and the backward graph makes the views.
+    model = torch.nn.Sequential(torch.nn.Linear(6, 12), _Calls(Gelu), torch.nn.Linear(12, 5))
+    wrapped = train_like_eager(model, functools.partial(_inputs_3d, shape=(2, 3, 6)))
+    (capture,) = _all_captures(wrapped)
+    forward, backward = (s.model.graph for s in capture.sessions)
+    made_by = {o: n.op_type for n in forward.node for o in n.output}
+    outputs = [made_by.get(o.name, "input") for o in forward.output]
+    saved = outputs[1:]  # (outputs[0] is the module's result, its reshape back to 3-d the user's)
+    assert saved and "Transpose" not in saved and "Reshape" not in saved, outputs
+    shapes = [[d.dim_value for d in i.type.tensor_type.shape.dim] for i in backward.input]
+    assert [12, 6] in shapes and [5, 12] in shapes and [6, 12] not in shapes and [12, 5] not in shapes, shapes
+
+
+def _inputs_3d(step: int, shape) -> tuple:
+    g = torch.Generator().manual_seed(200 + step)
+    return (torch.randn(*shape, generator=g, requires_grad=True),)
+
+
 # --- options ------------------------------------------------------------------------------------
 
 def test_options_session_options_providers_save_graphs_and_logging(tmp_path, caplog):

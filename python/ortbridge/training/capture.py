@@ -31,6 +31,7 @@ from ..core.interception import intercepted
 from ..core.record import CallTable, Recorder
 from . import ops
 from .graph import GraphSession
+from .partition import partition
 
 aten = torch.ops.aten
 log = logging.getLogger("ortbridge")
@@ -184,7 +185,8 @@ class Capture:
                 self.compiled = aot_module_simplified(self.flat, fakes, fw_compiler=self._compiler("forward"),
                                                       bw_compiler=self._compiler("backward"),
                                                       inference_compiler=self._compiler("inference"),
-                                                      decompositions=_DECOMPOSITIONS)
+                                                      decompositions=_DECOMPOSITIONS,
+                                                      partition_fn=partition)
             except _DATA_DEPENDENT as e:
                 raise _data_dependent_error(e) from e
         table.require_all_reached("AOTAutograd's trace of the module")
