@@ -15,6 +15,10 @@ One step = forward, loss, backward, AdamW step, zero_grad. Two models, each at t
          activations: forward x * relu6(x + 3) / 6 saving only x, hand-written backward from x);
          BatchNorm in training mode (batch statistics, running stats updated). Cross-entropy
          loss on random labels. Size: batch x channels x height x width.
+--timm adds third-party models as users bring them (timm's, untrained, batch 8): mobilenetv3_small_050
+with HardSwishMe and HardSigmoidMe, tinynet_e with SwishMe, resnet10t with HardMishMe (64 x 64
+images) and vit_tiny_patch16_224 with SwishMe (32 x 32 images, patch 8), each activation one of
+timm's memory-efficient autograd.Functions.
 Three copies of the same model, trained on the same batch:
   eager     plain PyTorch
   OrtModule ortbridge.OrtModule: ONNX Runtime runs the forward and backward graphs, the
@@ -154,6 +158,38 @@ def cnn_case(batch: int, side: int):
             f"{batch} x 3 x {side} x {side}")
 
 
+def timm_cases() -> list:
+    """Third-party models as users bring them (--timm): timm's models built untrained, each with
+    timm's memory-efficient activations, which are autograd.Functions (PythonOp / PythonOpGrad
+    pairs), 10 classes, cross-entropy, batch 8 of 3 x 64 x 64 images (the ViT: 32 x 32, patch 8)."""
+    import warnings
+
+    with warnings.catch_warnings():  # (timm imports torchvision, whose C extension is not loaded; README)
+        warnings.simplefilter("ignore")
+        import timm
+        from timm.layers import activations_me as me
+
+    def hard_sigmoid_me(model: torch.nn.Module) -> torch.nn.Module:
+        for name, child in model.named_children():  # (squeeze-excite gates: nn.Hardsigmoid by name)
+            if type(child) is torch.nn.Hardsigmoid:
+                setattr(model, name, me.HardSigmoidMe())
+            else:
+                hard_sigmoid_me(child)
+        return model
+
+    def case(name: str, side: int, **kwargs):
+        def make(batch: int):
+            model = timm.create_model(name, pretrained=False, num_classes=10, **kwargs)
+            return (hard_sigmoid_me(model), torch.randn(batch, 3, side, side), torch.randint(0, 10, (batch,)),
+                    F.cross_entropy, f"{batch} x 3 x {side} x {side}")
+        return make
+
+    return [("mobilenetv3_small_050", case("mobilenetv3_small_050", 64, act_layer=me.HardSwishMe), (8,)),
+            ("tinynet_e", case("tinynet_e", 64, act_layer=me.SwishMe), (8,)),
+            ("resnet10t", case("resnet10t", 64, act_layer=me.HardMishMe), (8,)),
+            ("vit_tiny", case("vit_tiny_patch16_224", 32, img_size=32, patch_size=8, act_layer=me.SwishMe), (8,))]
+
+
 def trainer(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
@@ -176,6 +212,7 @@ def main() -> int:
     parser.add_argument("--ort-threads", type=int, help="ONNX Runtime's intra-op thread count (default: OrtModule's)")
     parser.add_argument("--in-pytorch", default="", metavar="OPS",
                         help="comma-separated aten operators to run in PyTorch (fallback nodes), e.g. convolution")
+    parser.add_argument("--timm", action="store_true", help="also timm models with memory-efficient activations")
     args = parser.parse_args()
     try:
         in_pytorch = {getattr(torch.ops.aten, op).default
@@ -194,12 +231,19 @@ def main() -> int:
     if not args.quick:
         cases[1:1] = [("Block", block_case, (16, 64, 128))]
         cases.append(("CNN", cnn_case, (16, 64)))
+    if args.timm:
+        try:
+            cases += timm_cases()
+        except ImportError as e:
+            parser.error(f"--timm needs timm ({e}); scripts/setup.sh installs it")
     repeats, target = (3, 0.05) if args.quick else (args.repeats, args.target)
     print(versions())
     print(f"torch threads {torch.get_num_threads()}; ONNX Runtime intra-op threads "
           f"{args.ort_threads or 'OrtModule default (torch, 1 for small graphs)'}; median of {repeats} repeats"
           f"{'; in PyTorch: ' + args.in_pytorch if args.in_pytorch else ''}\n")
-    print(f"{'model':>5} {'size':>18} {'eager ms':>9} {'OrtModule ms':>13} {'ratio':>6} {'compile ms':>11} {'ratio':>6}"
+    name_width = max(len(name) for name, _, _ in cases)
+    print(f"{'model':>{name_width}} {'size':>18} {'eager ms':>9} {'OrtModule ms':>13} {'ratio':>6} "
+          f"{'compile ms':>11} {'ratio':>6}"
           + (f" {'+in PyTorch ms':>15} {'ratio':>6}" if in_pytorch else ""))
     for name, case, shape in cases:
         torch.manual_seed(0)
@@ -222,7 +266,7 @@ def main() -> int:
                 print(f"{name} {size}: {wrapper} loss {loss.item()} differs from eager's {first[0].item()}")
                 return 1
         eager, *wrapped = (t * 1e3 for t in medians(steps, repeats, target, warmup=3))
-        print(f"{name:>5} {size:>18} {eager:9.3f}" + "".join(
+        print(f"{name:>{name_width}} {size:>18} {eager:9.3f}" + "".join(
             f" {t:{w}.3f} {t / eager:6.2f}" for t, w in zip(wrapped, (13, 11, 15))))
     assert ortbridge.context_pool_size() == 0
     return 0

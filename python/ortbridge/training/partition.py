@@ -35,8 +35,7 @@ def _view_chain(node: torch.fx.Node) -> tuple[list, torch.fx.Node]:
     """(the views from the base to `node`, in order; the base). Views whose other arguments are
     graph values (symbolic sizes) end the chain: the backward graph does not have them."""
     chain = []
-    while (node.op == "call_function" and node.target in _VIEWS
-           and not any(isinstance(a, torch.fx.Node) for a in (*node.args[1:], *node.kwargs.values()))):
+    while node.op == "call_function" and node.target in _VIEWS and node.all_input_nodes == [node.args[0]]:
         chain.append(node)
         node = node.args[0]
     return chain[::-1], node
