@@ -3,8 +3,9 @@
 The model, batch and step are one of train_step.py's: by default its CNN (mobilenet-like,
 HardSwishMe activation as a PythonOp / PythonOpGrad pair, BatchNorm in training mode,
 cross-entropy, AdamW) at that benchmark's larger size, 16 x 3 x 64 x 64; `--model block` its
-transformer block (BiasGelu as the pair, mean-squared loss), by default at 16 x 64 x 128; `--size`
-gives the model's sizes (CNN: batch,side; Block: batch,seq,width). Three copies: eager, OrtModule, and OrtModule
+transformer block (BiasGelu as the pair, mean-squared loss), by default at 16 x 64 x 128; `--model
+vit` train_step.py's --timm vit_tiny (SwishMe as the pair; batch 8 of 32 x 32 images); `--size`
+gives the model's sizes (CNN: batch,side; Block: batch,seq,width; vit: batch). Three copies: eager, OrtModule, and OrtModule
 with ONNX Runtime's profiler on (SessionOptions.enable_profiling). Printed, per step:
 
 1. Phase wall times (forward + loss, backward, optimizer step + zero_grad), median over
@@ -25,7 +26,7 @@ with ONNX Runtime's profiler on (SessionOptions.enable_profiling). Printed, per 
 4. Both torch.profiler tables, top --top rows by self CPU time (totals over --torch-steps).
 
 ORT writes its profile files into a temporary directory, removed at the end. From benchmarks/:
-python3 profile_train_step.py [--model cnn|block] [--size 16,64] [--threads N].
+python3 profile_train_step.py [--model cnn|block|vit] [--size 16,64] [--threads N].
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import torch
 
 import ortbridge
 from common import versions
-from train_step import block_case, cnn_case
+from train_step import block_case, cnn_case, timm_cases
 
 PHASES = ("forward", "backward", "optimizer", "step")
 
@@ -147,8 +148,9 @@ def fmt(ms: float | None, width: int) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=("cnn", "block"), default="cnn")
-    parser.add_argument("--size", help="the model's sizes: CNN batch,side (16,64); Block batch,seq,width (16,64,128)")
+    parser.add_argument("--model", choices=("cnn", "block", "vit"), default="cnn")
+    parser.add_argument("--size", help="the model's sizes: CNN batch,side (16,64); Block batch,seq,width (16,64,128); "
+                        "vit batch (8)")
     parser.add_argument("--threads", type=int, help="torch's (and so ONNX Runtime's) thread count")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
@@ -158,7 +160,10 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(versions())
-    case, default = (cnn_case, "16,64") if args.model == "cnn" else (block_case, "16,64,128")
+    case, default = {"cnn": (cnn_case, "16,64"), "block": (block_case, "16,64,128"),
+                     "vit": (lambda: dict((n, c) for n, c, _ in timm_cases())["vit_tiny"], "8")}[args.model]
+    if args.model == "vit":
+        case = case()
     torch.manual_seed(0)
     model, x, y, loss_fn, size = case(*map(int, (args.size or default).split(",")))
     print(f"torch threads {torch.get_num_threads()}; {args.model} {size}; "
