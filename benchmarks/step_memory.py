@@ -10,9 +10,11 @@ every (model, size, variant) runs in a fresh child process of this script. The c
 torch, onnxruntime and ortbridge, builds the case with torch.manual_seed(0) (every child has
 the same weights and batch), wraps the model, takes the first step (the wrapped variants capture
 their graphs then: torch.export and ONNX export can use far more memory than a step, which is
-not the step's), then --warmup steps. Then the steady state: gc.collect() and glibc's
-malloc_trim(0) (so that heap pages freed by the capture and not returned to the kernel do not
-count as "already resident" and hide the step's own need; --no-trim skips it), RSS read
+not the step's), then --warmup steps (12 by default: past the runs in which each OrtModule
+graph with several threads tries a sleeping and a spinning session, then drops one). Then the
+steady state: gc.collect() and glibc's malloc_trim(0) (so that heap pages freed by the capture
+and not returned to the kernel do not count as "already resident" and hide the step's own need;
+--no-trim skips it), RSS read
 ("warm"), the high-water mark reset (writing 5 to /proc/self/clear_refs; where the kernel
 refuses, a thread samples RSS every millisecond instead: the table says which), --steps steps,
 the high-water mark read ("peak"). Variants:
@@ -269,7 +271,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="the small size of each model only (as --size small)")
     parser.add_argument("--size", choices=["small", "large", "all"], default="all")
     parser.add_argument("--steps", type=int, default=5, help="measured steps (at least 2)")
-    parser.add_argument("--warmup", type=int, default=3, help="steps after the first (capture) step, before measuring")
+    parser.add_argument("--warmup", type=int, default=12, help="steps after the first (capture) step, before measuring")
     parser.add_argument("--threads", type=int, help="torch's (and so ONNX Runtime's) thread count")
     parser.add_argument("--models", default=",".join(CASES), help="comma-separated, from " + ", ".join(CASES))
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),

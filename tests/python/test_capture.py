@@ -5,6 +5,7 @@ the torch.compile backend."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import os
@@ -412,6 +413,41 @@ def test_default_threads_one_for_small_graphs():
         assert (x.numel() >= SMALL_GRAPH_ELEMENTS) == (width == 256)
         for session in _all_captures(wrapped)[0].sessions:
             assert session.session.get_session_options().intra_op_num_threads == threads
+
+
+def test_threads_of_larger_graphs_sleep_or_spin_as_their_first_runs_measure(monkeypatch):
+    # A CPU graph on several threads runs in a sleeping and a spinning session by turns, keeps the
+    # faster and drops the other; while a spinning session runs, torch works on one thread.
+    from ortbridge.training import graph as graph_module
+
+    threads_seen = []
+    gelu_forward = Gelu.forward
+    monkeypatch.setattr(Gelu, "forward", staticmethod(
+        lambda ctx, x: threads_seen.append(torch.get_num_threads()) or gelu_forward(ctx, x)))
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), _Calls(Gelu))  # (the weight makes the graph large)
+    wrapped = ortbridge.OrtModule(copy.deepcopy(model))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)  # (as on a machine with two cores or more)
+    try:
+        for run in range(2 * (graph_module._SpinningTrial.RUNS + 1)):
+            x = torch.randn(32, 256)
+            for m in (model, wrapped):
+                m(x).sum().backward()
+            for p, q in zip(model.parameters(), wrapped.parameters()):
+                torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5)
+                p.grad = q.grad = None
+            assert torch.get_num_threads() == 2
+            sessions = _all_captures(wrapped)[0].sessions
+            assert all((s._trial is None) == (run == 2 * graph_module._SpinningTrial.RUNS + 1) for s in sessions)
+    finally:
+        torch.set_num_threads(previous)
+    # Gelu's forwards: eager's, the capture's recording run, then the graph's runs (sleeping,
+    # spinning, and so on) after each of eager's.
+    assert threads_seen[2::2][:2] == [2, 1] and set(threads_seen[:2] + threads_seen[3::2]) == {2}, threads_seen
+    for s in sessions:
+        assert s._trial is None and s.spinning in (False, True)
+        spins = s.session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning")
+        assert spins == ("1" if s.spinning else "0")
 
 
 def test_unread_context_ids_of_inference_nodes_are_left_unnamed():

@@ -57,7 +57,8 @@ class OrtModule(torch.nn.Module):
     Function the module calls is registered, under its qualified name.
 
     `session_options` (onnxruntime.SessionOptions) and `providers` are used for every graph's
-    session (default: torch's thread count, threads that sleep between runs; the CPU provider).
+    session (default: torch's thread count, one thread for a graph of small tensors; threads
+    that sleep or spin during a run, as a CPU graph's first runs measure; the CPU provider).
     `save_graphs`: a folder where each capture writes its ONNX graphs, named
     `<Module>_<signature>_<k>_{forward,backward,inference}.onnx`. Captures are logged (logger
     `ortbridge`, INFO) with their times. `parameters()`, `named_parameters()`, `buffers()`,
