@@ -5,8 +5,9 @@ HardSwishMe activation as a PythonOp / PythonOpGrad pair, BatchNorm in training 
 cross-entropy, AdamW) at that benchmark's larger size, 16 x 3 x 64 x 64; `--model block` its
 transformer block (BiasGelu as the pair, mean-squared loss), by default at 16 x 64 x 128; `--model
 vit` train_step.py's --timm vit_tiny (SwishMe as the pair; batch 8 of 32 x 32 images); `--size`
-gives the model's sizes (CNN: batch,side; Block: batch,seq,width; vit: batch). Three copies: eager, OrtModule, and OrtModule
-with ONNX Runtime's profiler on (SessionOptions.enable_profiling). Printed, per step:
+gives the model's sizes (CNN: batch,side; Block: batch,seq,width; vit: batch). Three copies:
+eager, OrtModule, and OrtModule with ONNX Runtime's profiler on (SessionOptions.enable_profiling;
+session options of its own, so its threads sleep: no thread trial). Printed, per step:
 
 1. Phase wall times (forward + loss, backward, optimizer step + zero_grad), median over
    --steps steps after --warmup, the three copies taking their steps in turn; the difference
@@ -160,10 +161,10 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(versions())
-    case, default = {"cnn": (cnn_case, "16,64"), "block": (block_case, "16,64,128"),
-                     "vit": (lambda: dict((n, c) for n, c, _ in timm_cases())["vit_tiny"], "8")}[args.model]
-    if args.model == "vit":
-        case = case()
+    if args.model == "vit":  # (timm is imported only for it)
+        case, default = next(make for name, make, _ in timm_cases() if name == "vit_tiny"), "8"
+    else:
+        case, default = (cnn_case, "16,64") if args.model == "cnn" else (block_case, "16,64,128")
     torch.manual_seed(0)
     model, x, y, loss_fn, size = case(*map(int, (args.size or default).split(",")))
     print(f"torch threads {torch.get_num_threads()}; {args.model} {size}; "

@@ -445,7 +445,6 @@ def test_threads_of_larger_graphs_sleep_or_spin_as_their_first_runs_measure(monk
     # spinning, and so on) after each of eager's.
     assert threads_seen[2::2][:2] == [2, 1] and set(threads_seen[:2] + threads_seen[3::2]) == {2}, threads_seen
     for s in sessions:
-        assert s._trial is None and s.spinning in (False, True)
         spins = s.session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning")
         assert spins == ("1" if s.spinning else "0")
 

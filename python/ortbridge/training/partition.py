@@ -59,12 +59,13 @@ def _save_view_bases(forward: torch.fx.GraphModule, backward: torch.fx.GraphModu
         if not isinstance(node, torch.fx.Node) or node.name not in placeholders:
             continue
         chain, base = _view_chain(node)
-        if not chain or (base.op == "placeholder" and base not in has_gradient) or base.op not in (
-                "placeholder", "call_function") or "val" not in base.meta:
+        if not chain or "val" not in base.meta or not (
+                base.op == "call_function" or (base.op == "placeholder" and base in has_gradient)):
             continue
         saved[k] = base
         placeholder = placeholders[node.name]
         placeholder.meta["val"] = base.meta["val"]
+        placeholder.meta.pop("tensor_meta", None)  # (the view's)
         view, made = placeholder, []
         with backward.graph.inserting_before(body):
             for v in chain:
