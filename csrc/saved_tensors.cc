@@ -12,21 +12,22 @@ namespace {
 thread_local std::vector<std::vector<uintptr_t>> t_borrowed;  // per open scope, innermost last
 
 struct Hooks {
-  py::object pop, pack, unpack;
+  py::object pop, pack, unpack, kept_from_borrowed;
   py::str push{"_push_saved_hooks"};
-  py::str untyped_storage{"untyped_storage"}, data_ptr{"data_ptr"}, clone{"clone"}, detach{"detach"};
+  py::str untyped_storage{"untyped_storage"}, data_ptr{"data_ptr"}, detach{"detach"};
 };
 
 const Hooks& SavedTensorHooks();
 
-// The pack hook: a copy of a tensor whose storage is one of the innermost scope's borrowed
-// buffers, the tensor detached otherwise.
+// The pack hook: for a tensor whose storage is one of the innermost scope's borrowed buffers,
+// what the runner's _kept_from_borrowed keeps (a copy, or a view of a buffer the graph run
+// lent); the tensor detached otherwise.
 py::object Pack(py::handle t) {
   const Hooks& hooks = SavedTensorHooks();
   if (!t_borrowed.empty()) {
     const auto storage = t.attr(hooks.untyped_storage)().attr(hooks.data_ptr)().cast<uintptr_t>();
     const std::vector<uintptr_t>& borrowed = t_borrowed.back();
-    if (std::find(borrowed.begin(), borrowed.end(), storage) != borrowed.end()) return t.attr(hooks.clone)();
+    if (std::find(borrowed.begin(), borrowed.end(), storage) != borrowed.end()) return hooks.kept_from_borrowed(t);
   }
   return t.attr(hooks.detach)();
 }
@@ -37,6 +38,7 @@ const Hooks& SavedTensorHooks() {  // (kept for the process's life: never destro
       .call_once_and_store_result([] {
         Hooks h;
         h.pop = Runner().attr("_pop_saved_hooks");
+        h.kept_from_borrowed = Runner().attr("_kept_from_borrowed");
         h.pack = py::cpp_function(Pack);
         h.unpack = py::cpp_function([](py::object t) { return t; });
         return h;

@@ -283,7 +283,24 @@ def _own_borrowed_attributes(ctx, borrowed: set) -> None:
     # A tensor kept as a plain ctx attribute (ctx.x = x) would outlive ORT's buffer too.
     for key, value in vars(ctx).items():
         if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in borrowed:
-            setattr(ctx, key, value.detach().clone())
+            setattr(ctx, key, _kept_from_borrowed(value))
+
+
+# Buffers of ORT's that torch owns for the length of a graph run: outputs the run's caller
+# bound, by address, which no node writes after their own (training/graph.py binds a Function's
+# saved inputs so). Only code of this process adds to it; a model file cannot.
+_lent_buffers: dict[int, torch.Tensor] = {}
+
+
+def _kept_from_borrowed(t: torch.Tensor) -> torch.Tensor:
+    """What a Function keeps for backward of a tensor that views one of ORT's input buffers: a
+    view of the tensor owning that buffer, which the view keeps alive, where the run lent it;
+    otherwise a copy (ORT reuses its buffers once the call returns)."""
+    storage = t.untyped_storage()
+    owner = _lent_buffers.get(storage.data_ptr())
+    if owner is not None and owner.dtype == t.dtype and owner.untyped_storage().nbytes() == storage.nbytes():
+        return owner.as_strided(t.shape, t.stride(), t.storage_offset())
+    return t.detach().clone()
 
 
 class BackwardNode(_Node):

@@ -376,6 +376,71 @@ def test_saved_views_of_weights_are_made_in_the_backward_graph():
     assert [12, 6] in shapes and [5, 12] in shapes and [6, 12] not in shapes and [12, 5] not in shapes, shapes
 
 
+class SavesItsInput(torch.autograd.Function):
+    """x * sigmoid(x), keeping x for backward (saved, or as an attribute), noting where x's data
+    was in forward and where what it kept is in backward."""
+
+    addresses: list = []
+
+    @staticmethod
+    def forward(ctx, x, as_attribute: bool):
+        if as_attribute:
+            ctx.x = x
+        else:
+            ctx.save_for_backward(x)
+        ctx.forward_address = x.data_ptr()
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x = ctx.x if hasattr(ctx, "x") else ctx.saved_tensors[0]
+        SavesItsInput.addresses.append((ctx.forward_address, x.data_ptr()))
+        s = torch.sigmoid(x)
+        return grad * s * (1 + x * (1 - s)), None
+
+
+class _TwoSavingCalls(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(6, 16), torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.second(SavesItsInput.apply(self.first(x), True)) + SavesItsInput.apply(x, False).sum()
+
+
+def test_a_function_keeps_its_computed_input_without_a_copy():
+    # A Function's input views one of ORT's buffers, which ORT reuses after the call: what it
+    # keeps for backward was a copy. An input the graph computes is now a graph output bound to a
+    # tensor of torch's for the run, kept by what the Function keeps: no copy, and alive while kept.
+    from ortbridge import _runner
+
+    model = _TwoSavingCalls()
+    wrapped = ortbridge.OrtModule(copy.deepcopy(model))
+    for step in range(3):
+        SavesItsInput.addresses.clear()
+        xs = [[torch.randn(2, 3, 6, generator=torch.Generator().manual_seed(10 * step + k)).requires_grad_()
+               for k in range(2)] for _ in (model, wrapped)]
+        # Two forwards before either backward, torch's allocator busy in between: each kept input
+        # must still hold its own values.
+        losses = [[m(x).square().sum() for x in inputs] for m, inputs in zip((model, wrapped), xs)]
+        churn = [torch.full((2, 3, 16), 7.0) for _ in range(8)]
+        for pair in losses:
+            sum(pair).backward()
+        torch.testing.assert_close(losses[1], losses[0])
+        for x, y in zip(*xs):
+            torch.testing.assert_close(y.grad, x.grad)
+        for p, q in zip(model.parameters(), wrapped.parameters()):
+            torch.testing.assert_close(q.grad, p.grad)
+            p.grad = q.grad = None
+        assert ortbridge.context_pool_size() == 0 and not _runner._lent_buffers, churn[0][0, 0]
+        kept_at_forward_address = [forward == backward for forward, backward in SavesItsInput.addresses[4:]]
+        # (the attribute kept of the Linear's output: no copy; the saved graph input: a copy, as
+        # the caller may still change it)
+        assert sorted(kept_at_forward_address) == [False, False, True, True], SavesItsInput.addresses
+    (forward, _) = _all_captures(wrapped)[0].sessions
+    assert len(forward.graph.lent) == 1
+
+
 def _inputs_3d(step: int, shape) -> tuple:
     g = torch.Generator().manual_seed(200 + step)
     return (torch.randn(*shape, generator=g, requires_grad=True),)

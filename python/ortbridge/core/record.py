@@ -3,6 +3,8 @@ layout, output types, ranks and shapes; and the lookup of a traced call in that 
 
 from __future__ import annotations
 
+import contextlib
+
 import onnx
 import torch
 
@@ -14,9 +16,12 @@ from .nodes import DOMAIN, Arguments
 class Call:
     """One recorded top-level call of an exported Function."""
 
-    def __init__(self, func: type, arguments: Arguments, args: tuple, result, training: bool, updated: list):
-        """`arguments` were taken before forward ran (forward may change a list or dict it got)."""
+    def __init__(self, func: type, arguments: Arguments, args: tuple, result, training: bool, updated: list,
+                 saved: list = ()):
+        """`arguments` were taken before forward ran (forward may change a list or dict it got);
+        `saved`: the tensor inputs forward saved for backward (or a view of)."""
         self.func = func
+        self.saved_inputs = [i for i in saved if i not in updated]  # (an input updated in place is the output)
         name = arguments.constants["func_name"]
         self.constants = arguments.constants
         self.objects = arguments.objects
@@ -206,14 +211,42 @@ class Recorder:
         arguments = Arguments(name, args)  # before forward runs, which may change a list or dict it got
         tensors = arguments.tensors
         versions = [_version(t) for t in tensors]
+        saved = set()  # storage addresses of what forward kept for backward
         self._depth += 1
         try:
-            result = original(*args)
+            with _saved_storages(saved) if self.training else contextlib.nullcontext():
+                result = original(*args)
         finally:
             self._depth -= 1
         updated = [i for i, (t, v) in enumerate(zip(tensors, versions)) if _version(t) != v]
-        self.calls.append(Call(func, arguments, args, result, self.training, updated))
+        for o in (result if isinstance(result, tuple) else (result,)):  # (kept as ctx.x = x)
+            if getattr(o, "grad_fn", None) is not None:
+                saved.update(_storage_address(v) for v in vars(o.grad_fn).values() if isinstance(v, torch.Tensor))
+                break
+        saved.discard(None)
+        saved_inputs = [i for i, t in enumerate(tensors) if _storage_address(t) in saved]
+        self.calls.append(Call(func, arguments, args, result, self.training, updated, saved_inputs))
         return result
+
+
+def _saved_storages(addresses: set):
+    """Saved-tensor hooks that note the storage address of each tensor saved for backward (none
+    where saved-tensor hooks are disabled)."""
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+        return contextlib.nullcontext()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        addresses.add(_storage_address(t))
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
+def _storage_address(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # (a tensor without storage: sparse, nested)
+        return None
 
 
 def _version(t: torch.Tensor) -> int:

@@ -27,7 +27,7 @@ from torch.utils._sympy.functions import FloorDiv
 from torch.utils._sympy.printers import PythonPrinter
 
 from .. import _C, _dtypes, runtime
-from .._runner import _from_dlpack
+from .._runner import _from_dlpack, _lent_buffers
 from ..core import fallback
 from ..core.nodes import DOMAIN, emit_python_op, name_nodes, quiet_exporter
 from ..core.record import size_hint
@@ -36,6 +36,9 @@ from . import ops
 log = logging.getLogger("ortbridge")
 _PYTHON_OP = torch.ops.ortbridge.python_op.default
 _PYTHON_OP_GRAD = torch.ops.ortbridge.python_op_grad.default
+# Views ONNX Runtime makes without a copy (Reshape, Unsqueeze: their output shares the buffer).
+_SAME_BUFFER_VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+                      torch.ops.aten.reshape.default, torch.ops.aten.unsqueeze.default}
 
 
 def _forward_node(inputs: list, index: int, training: bool, shapes: list) -> list:
@@ -304,6 +307,9 @@ class OnnxGraph:
                 self.sources.append(("onnx", computed.index(r)))
         # Every context id leaves the graph in a tensor that owns it: one backward does not need
         # (its Function's outputs were not differentiable here) is released after the run.
+        # Each computed tensor a Function saves for backward leaves it too, into a buffer the run
+        # lends the Function (_runner._lent_buffers): saved without a copy, and alive while saved.
+        self.lent: list[int] = []  # indices in `computed` of those tensors
         for node in list(graph.nodes):
             if training and node.target is _PYTHON_OP:
                 ids = [u for u in node.users if _is_context_id(u)]
@@ -313,6 +319,13 @@ class OnnxGraph:
                         ids[0].meta["val"] = node.meta["val"][0]
                 if ids[0] not in computed:
                     computed.append(ids[0])
+                for i in ops.traced_call(node.args[1]).call.saved_inputs:
+                    saved = node.args[0][i]
+                    while saved.target in _SAME_BUFFER_VIEWS:  # (a graph output would be a copy)
+                        saved = saved.args[0]
+                    if saved.op == "call_function" and saved not in computed:
+                        self.lent.append(len(computed))
+                        computed.append(saved)
         self.device = _device_of(placeholders + computed)
         self.context_inputs = {k for k, p in enumerate(placeholders) if _is_context_input(p)}  # (argument indices)
         self.outputs = [(n.meta["val"].dtype, _is_context_id(n)) for n in computed]  # (dtype, is a context id)
@@ -463,9 +476,16 @@ class GraphSession:
                    for (dtype, is_context), shape in zip(self.graph.outputs, self.graph.output_shapes(inputs))]
         for (name, ort_device, numpy_type), t in zip(self.output_bindings, (t for t in outputs if t is not None)):
             bind_output(name, ort_device, numpy_type, t.shape, t.data_ptr() or _placeholder_address(t))
+        lent = [outputs[j] for j in self.graph.lent if outputs[j].data_ptr()]
 
         def run():
-            session._sess.run_with_iobinding(binding.ort, None)
+            for t in lent:
+                _lent_buffers[t.data_ptr()] = t
+            try:
+                session._sess.run_with_iobinding(binding.ort, None)
+            finally:
+                for t in lent:
+                    del _lent_buffers[t.data_ptr()]
             # Each context id in a tensor that owns it, made before the run scope ends (which
             # releases the contexts no tensor holds).
             ids = iter(binding.ids_out.tolist())
