@@ -376,6 +376,27 @@ def test_saved_views_of_weights_are_made_in_the_backward_graph():
     assert [12, 6] in shapes and [5, 12] in shapes and [6, 12] not in shapes and [12, 5] not in shapes, shapes
 
 
+class _Attention(torch.nn.Module):
+    def __init__(self, width: int = 8, heads: int = 2):
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        return self.out(_Calls(Gelu)(F.scaled_dot_product_attention(q, k, v)).transpose(1, 2).reshape(b, n, c))
+
+
+def test_saved_aliases_of_attention_probabilities_are_not_copied():
+    # Attention saves its probabilities for backward as a detach (and an expand) of the softmax:
+    # as forward graph outputs they were Identity copies; the softmax itself is saved instead.
+    wrapped = train_like_eager(_Attention(), functools.partial(_inputs_3d, shape=(2, 5, 8)))
+    forward = _all_captures(wrapped)[0].sessions[0].model.graph
+    made_by = {o: n.op_type for n in forward.node for o in n.output}
+    outputs = [made_by.get(o.name, "input") for o in forward.output]
+    assert "Identity" not in outputs and "Expand" not in outputs, outputs
+
+
 class SavesItsInput(torch.autograd.Function):
     """x * sigmoid(x), keeping x for backward (saved, or as an attribute), noting where x's data
     was in forward and where what it kept is in backward."""

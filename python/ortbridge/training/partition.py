@@ -17,11 +17,12 @@ import torch
 from torch._functorch.partitioners import default_partition
 
 aten = torch.ops.aten
-# Views that keep every element of their input (a saved base is no larger than the saved view).
-# (Not squeeze: traced again in the backward graph it becomes prims.squeeze, which functionalization
-# refuses.)
+# Views that keep every element of their input (a saved base is no larger than the saved view;
+# expand's is smaller where it broadcasts), and detach (an alias; as a graph output, a copy).
+# (Not squeeze: traced again in the backward graph it becomes prims.squeeze, which
+# functionalization refuses.)
 _VIEWS = {aten.t.default, aten.permute.default, aten.transpose.int, aten.view.default, aten._unsafe_view.default,
-          aten.reshape.default, aten.unsqueeze.default}
+          aten.reshape.default, aten.unsqueeze.default, aten.expand.default, aten.detach.default}
 
 
 def partition(joint_module: torch.fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
