@@ -7,7 +7,8 @@ transformer block (BiasGelu as the pair, mean-squared loss), by default at 16 x 
 vit` train_step.py's --timm vit_tiny (SwishMe as the pair; batch 8 of 32 x 32 images); `--size`
 gives the model's sizes (CNN: batch,side; Block: batch,seq,width; vit: batch). Three copies:
 eager, OrtModule, and OrtModule with ONNX Runtime's profiler on (SessionOptions.enable_profiling;
-session options of its own, so its threads sleep: no thread trial). Printed, per step:
+session options of its own, so no thread trial: its threads sleep, or with --spinning spin while
+a run lasts, torch on one thread inside it, as the trial's spinning session). Printed, per step:
 
 1. Phase wall times (forward + loss, backward, optimizer step + zero_grad), median over
    --steps steps after --warmup, the three copies taking their steps in turn; the difference
@@ -27,7 +28,7 @@ session options of its own, so its threads sleep: no thread trial). Printed, per
 4. Both torch.profiler tables, top --top rows by self CPU time (totals over --torch-steps).
 
 ORT writes its profile files into a temporary directory, removed at the end. From benchmarks/:
-python3 profile_train_step.py [--model cnn|block|vit] [--size 16,64] [--threads N].
+python3 profile_train_step.py [--model cnn|block|vit] [--size 16,64] [--threads N] [--spinning].
 """
 
 from __future__ import annotations
@@ -47,19 +48,17 @@ import onnxruntime as ort
 import torch
 
 import ortbridge
+from ortbridge.training.graph import default_session_options
 from common import versions
 from train_step import block_case, cnn_case, timm_cases
 
 PHASES = ("forward", "backward", "optimizer", "step")
 
 
-def profiling_options(prefix: str) -> ort.SessionOptions:
-    """OrtModule's default options (torch's thread count, threads that sleep between runs), with
-    the profiler on."""
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = torch.get_num_threads()
-    options.inter_op_num_threads = 1
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+def profiling_options(prefix: str, spinning: bool) -> ort.SessionOptions:
+    """OrtModule's default options (torch's thread count, threads that sleep between runs or
+    with `spinning` spin while one lasts), with the profiler on."""
+    options = default_session_options(spinning=spinning)
     options.enable_profiling = True
     options.profile_file_prefix = prefix
     return options
@@ -153,6 +152,8 @@ def main() -> int:
     parser.add_argument("--size", help="the model's sizes: CNN batch,side (16,64); Block batch,seq,width (16,64,128); "
                         "vit batch (8)")
     parser.add_argument("--threads", type=int, help="torch's (and so ONNX Runtime's) thread count")
+    parser.add_argument("--spinning", action="store_true",
+                        help="the profiled copy's threads spin during its runs, torch on one thread inside them")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--torch-steps", type=int, default=10)
@@ -171,12 +172,15 @@ def main() -> int:
           f"{args.steps} steps after {args.warmup} warm-up steps\n")
     folder = tempfile.mkdtemp(prefix="ortbridge_profile_")
     try:
-        profiled_module = ortbridge.OrtModule(copy.deepcopy(model),
-                                              session_options=profiling_options(os.path.join(folder, args.model)))
+        profiled_module = ortbridge.OrtModule(copy.deepcopy(model), session_options=profiling_options(
+            os.path.join(folder, args.model), args.spinning))
         steps = {"eager": phased_trainer(copy.deepcopy(model), x, y, loss_fn),
                  "OrtModule": phased_trainer(ortbridge.OrtModule(copy.deepcopy(model)), x, y, loss_fn),
                  "OrtModule, ORT profiler": phased_trainer(profiled_module, x, y, loss_fn)}
         first = {name: step()["loss"] for name, step in steps.items()}  # captures the graphs
+        sessions = [c for cs in profiled_module._captures.values() for c in cs][0].sessions
+        for s in sessions:  # (as the trial's spinning session: torch on one thread inside its runs)
+            s.spinning = args.spinning
         if any(abs(loss - first["eager"]) > 1e-4 * abs(first["eager"]) for loss in first.values()):
             print(f"losses differ at the first step: {first}")
             return 1
@@ -184,7 +188,6 @@ def main() -> int:
         phases = run_steps(steps, args.warmup, args.steps)
         eager_avg = torch_profile(steps["eager"], args.torch_steps)
         ort_avg = torch_profile(steps["OrtModule, ORT profiler"], args.torch_steps)
-        sessions = [c for cs in profiled_module._captures.values() for c in cs][0].sessions
         profiles = {}  # kind -> (the phase steps' summary, the torch-profiled steps' summary)
         for kind, s in zip(("forward", "backward"), sessions):
             if s.session is not None:
