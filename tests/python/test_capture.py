@@ -397,6 +397,24 @@ def test_saved_aliases_of_attention_probabilities_are_not_copied():
     assert "Identity" not in outputs and "Expand" not in outputs, outputs
 
 
+def test_gradients_of_a_tensors_slices_are_one_concat():
+    # q, k, v = qkv[0], qkv[1], qkv[2] (MultiheadAttention's self-attention): the gradient of
+    # each select is a zero pad of qkv's shape, and the three are added. Slots that tile the dim
+    # are one concat instead.
+    class SelfAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+
+        def forward(self, x):
+            return _Calls(Gelu)(self.attn(x, x, x, need_weights=False)[0])
+
+    wrapped = train_like_eager(SelfAttention(), functools.partial(_inputs_3d, shape=(2, 5, 8)))
+    backward = _all_captures(wrapped)[0].sessions[1].model.graph
+    ops = [n.op_type for n in backward.node]
+    assert "Pad" not in ops and "Concat" in ops, ops
+
+
 class SavesItsInput(torch.autograd.Function):
     """x * sigmoid(x), keeping x for backward (saved, or as an attribute), noting where x's data
     was in forward and where what it kept is in backward."""

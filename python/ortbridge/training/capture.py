@@ -73,6 +73,73 @@ def _select_backward(grad, input_sizes, dim, index):
 _DECOMPOSITIONS[aten.select_backward.default] = _select_backward
 
 
+def _tiled_pads_as_cat(gm: torch.fx.GraphModule) -> None:
+    """A sum of zero pads whose inputs tile one dim (the gradient of q, k, v = qkv[0], qkv[1],
+    qkv[2]: a _select_backward per slot, added) becomes one cat of those inputs: one write of
+    the result instead of a padded copy and an add per slot."""
+    graph = gm.graph
+    for node in reversed(list(graph.nodes)):
+        if node.graph is not graph or node.target is not aten.add.Tensor or node.kwargs:
+            continue  # (erased, or not a plain sum)
+        adds, leaves = _sum_tree(node)
+        slots = _tiling_slots(leaves, node.meta["val"].shape) if len(leaves) > 1 else None
+        if slots is None:
+            continue
+        dim, ordered = slots
+        with graph.inserting_before(node):
+            cat = graph.call_function(aten.cat.default, ([leaf.args[0] for leaf in ordered], dim))
+        cat.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(cat)
+        for n in (*adds, *leaves):
+            if not n.users:
+                graph.erase_node(n)
+    gm.recompile()
+
+
+def _sum_tree(node: torch.fx.Node) -> tuple[list, list]:
+    """(the add nodes of the sum rooted at `node`, root first; its terms): an inner add belongs
+    to it when the sum is its only user."""
+    adds, leaves, todo = [], [], [node]
+    while todo:
+        n = todo.pop()
+        if n is node or (n.target is aten.add.Tensor and not n.kwargs and len(n.users) == 1):
+            adds.append(n)
+            todo.extend(reversed([a for a in n.args if isinstance(a, torch.fx.Node)]))
+            if len(n.args) != 2 or not all(isinstance(a, torch.fx.Node) for a in n.args):
+                return adds, []  # (a scalar term)
+        else:
+            leaves.append(n)
+    return adds, leaves
+
+
+def _tiling_slots(leaves: list, shape) -> tuple[int, list] | None:
+    """(the dim, the leaves by position) where every leaf is a zero constant_pad_nd of one dim,
+    of the sum's shape, and their inputs tile that dim; otherwise None."""
+    dims, spans = set(), []
+    for leaf in leaves:
+        if (leaf.target is not aten.constant_pad_nd.default or leaf.args[2:] not in ((), (0,), (0.0,))
+                or leaf.kwargs or leaf.meta["val"].shape != shape):
+            return None
+        pad, size = leaf.args[1], leaf.args[0].meta["val"].shape
+        padded = {len(size) - 1 - k // 2 for k, p in enumerate(pad) if p != 0}
+        if len(padded) != 1 or not all(isinstance(p, int) for p in pad):
+            return None
+        (dim,) = padded
+        dims.add(dim)
+        before = pad[2 * (len(size) - 1 - dim)]
+        spans.append((before, size[dim], leaf))
+    if len(dims) != 1:
+        return None
+    spans.sort(key=lambda span: span[0])
+    end = 0
+    for before, length, _ in spans:
+        if before != end or not isinstance(length, int):
+            return None
+        end += length
+    (dim,) = dims
+    return (dim, [leaf for _, _, leaf in spans]) if end == shape[dim] else None
+
+
 class _Tensor:
     """Marks where a tensor goes in a flattened argument list."""
 
@@ -208,6 +275,7 @@ class Capture:
             if folder:
                 os.makedirs(folder, exist_ok=True)
             started = time.perf_counter()
+            _tiled_pads_as_cat(gm)
             self.sessions.append(GraphSession(gm, kind == "forward", self.options.get("session_options"),
                                               self.options.get("providers"), save_as))
             log.info("%s: %s graph in ONNX Runtime after %.2f s%s", self.name, kind, time.perf_counter() - started,
