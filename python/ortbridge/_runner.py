@@ -294,8 +294,9 @@ _lent_buffers: dict[int, torch.Tensor] = {}
 
 def _kept_from_borrowed(t: torch.Tensor) -> torch.Tensor:
     """What a Function keeps for backward of a tensor that views one of ORT's input buffers: a
-    view of the tensor owning that buffer, which the view keeps alive, where the run lent it;
-    otherwise a copy (ORT reuses its buffers once the call returns)."""
+    view of the tensor owning that buffer, which the view keeps alive (all of it, as a view
+    keeps its base in eager), where the run lent it; otherwise a copy (ORT reuses its buffers
+    once the call returns)."""
     storage = t.untyped_storage()
     owner = _lent_buffers.get(storage.data_ptr())
     if owner is not None and owner.dtype == t.dtype and owner.untyped_storage().nbytes() == storage.nbytes():

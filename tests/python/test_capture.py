@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import logging
 import os
 
@@ -397,6 +398,33 @@ def test_saved_aliases_of_attention_probabilities_are_not_copied():
     assert "Identity" not in outputs and "Expand" not in outputs, outputs
 
 
+class SavesItsOutput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = x.exp()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.saved_tensors[0]
+
+
+def test_the_recording_run_keeps_nothing_alive():
+    # The recording run notes what each Function saves: its hook keeping a saved output itself
+    # made a cycle (output -> its autograd node -> the saved output) that kept each capture's
+    # recorded forward alive.
+    def alive() -> int:  # (tensors of the model's activations: rows of 11)
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if type(o) is torch.Tensor and o.dim() == 2 and o.shape[1] == 11)
+
+    wrapped = ortbridge.OrtModule(torch.nn.Sequential(torch.nn.Linear(5, 11), _Calls(SavesItsOutput)))
+    before = alive()
+    for rows in (2, 3, 4):  # (a capture each)
+        wrapped(torch.randn(rows, 5)).sum().backward()
+    assert len(_all_captures(wrapped)) == 3 and alive() == before
+
+
 def test_gradients_of_a_tensors_slices_are_one_concat():
     # q, k, v = qkv[0], qkv[1], qkv[2] (MultiheadAttention's self-attention): the gradient of
     # each select is a zero pad of qkv's shape, and the three are added. Slots that tile the dim
@@ -438,13 +466,16 @@ class SavesItsInput(torch.autograd.Function):
         return grad * s * (1 + x * (1 - s)), None
 
 
-class _TwoSavingCalls(torch.nn.Module):
+class _ThreeSavingCalls(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.first, self.second = torch.nn.Linear(6, 16), torch.nn.Linear(16, 3)
 
     def forward(self, x):
-        return self.second(SavesItsInput.apply(self.first(x), True)) + SavesItsInput.apply(x, False).sum()
+        # (kept: a Linear's output on 3-d input, a reshape of the graph's Gemm; a computed
+        # tensor; the graph's input)
+        kept = self.second(SavesItsInput.apply(self.first(x), True)) + SavesItsInput.apply(x * 2, False)[..., :3]
+        return kept + SavesItsInput.apply(x, False).sum()
 
 
 def test_a_function_keeps_its_computed_input_without_a_copy():
@@ -453,7 +484,7 @@ def test_a_function_keeps_its_computed_input_without_a_copy():
     # tensor of torch's for the run, kept by what the Function keeps: no copy, and alive while kept.
     from ortbridge import _runner
 
-    model = _TwoSavingCalls()
+    model = _ThreeSavingCalls()
     wrapped = ortbridge.OrtModule(copy.deepcopy(model))
     for step in range(3):
         SavesItsInput.addresses.clear()
@@ -472,12 +503,12 @@ def test_a_function_keeps_its_computed_input_without_a_copy():
             torch.testing.assert_close(q.grad, p.grad)
             p.grad = q.grad = None
         assert ortbridge.context_pool_size() == 0 and not _runner._lent_buffers, churn[0][0, 0]
-        kept_at_forward_address = [forward == backward for forward, backward in SavesItsInput.addresses[4:]]
-        # (the attribute kept of the Linear's output: no copy; the saved graph input: a copy, as
-        # the caller may still change it)
-        assert sorted(kept_at_forward_address) == [False, False, True, True], SavesItsInput.addresses
+        kept_at_forward_address = [forward == backward for forward, backward in SavesItsInput.addresses[6:]]
+        # (what is kept of the computed tensors: no copy; the graph input saved: a copy, as the
+        # caller may still change it)
+        assert sorted(kept_at_forward_address) == [False, False, True, True, True, True], SavesItsInput.addresses
     (forward, _) = _all_captures(wrapped)[0].sessions
-    assert len(forward.graph.lent) == 1
+    assert len(forward.graph.lent) == 2
 
 
 def _inputs_3d(step: int, shape) -> tuple:

@@ -237,7 +237,7 @@ def _saved_storages(addresses: set):
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         addresses.add(_storage_address(t))
-        return t
+        return t.detach()  # (not t: a saved output would hold its own autograd node, a cycle)
 
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 

@@ -77,10 +77,10 @@ def _tiled_pads_as_cat(gm: torch.fx.GraphModule) -> None:
     """A sum of zero pads whose inputs tile one dim (the gradient of q, k, v = qkv[0], qkv[1],
     qkv[2]: a _select_backward per slot, added) becomes one cat of those inputs: one write of
     the result instead of a padded copy and an add per slot."""
-    graph = gm.graph
+    graph, erased = gm.graph, set()
     for node in reversed(list(graph.nodes)):
-        if node.graph is not graph or node.target is not aten.add.Tensor or node.kwargs:
-            continue  # (erased, or not a plain sum)
+        if node in erased or node.target is not aten.add.Tensor or node.kwargs:
+            continue
         adds, leaves = _sum_tree(node)
         slots = _tiling_slots(leaves, node.meta["val"].shape) if len(leaves) > 1 else None
         if slots is None:
@@ -93,6 +93,7 @@ def _tiled_pads_as_cat(gm: torch.fx.GraphModule) -> None:
         for n in (*adds, *leaves):
             if not n.users:
                 graph.erase_node(n)
+                erased.add(n)
     gm.recompile()
 
 
