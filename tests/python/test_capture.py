@@ -407,7 +407,8 @@ class SavesItsOutput(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad * ctx.saved_tensors[0]
+        (y,) = ctx.saved_tensors
+        return grad * y
 
 
 def test_the_recording_run_keeps_nothing_alive():
