@@ -98,16 +98,16 @@ def _tiled_pads_as_cat(gm: torch.fx.GraphModule) -> None:
 
 
 def _sum_tree(node: torch.fx.Node) -> tuple[list, list]:
-    """(the add nodes of the sum rooted at `node`, root first; its terms): an inner add belongs
-    to it when the sum is its only user."""
+    """(the add nodes of the sum rooted at `node`; its terms), or no terms where one is a
+    scalar: an inner add belongs to the sum when the sum is its only user."""
     adds, leaves, todo = [], [], [node]
     while todo:
         n = todo.pop()
         if n is node or (n.target is aten.add.Tensor and not n.kwargs and len(n.users) == 1):
-            adds.append(n)
-            todo.extend(reversed([a for a in n.args if isinstance(a, torch.fx.Node)]))
             if len(n.args) != 2 or not all(isinstance(a, torch.fx.Node) for a in n.args):
                 return adds, []  # (a scalar term)
+            adds.append(n)
+            todo.extend(n.args)
         else:
             leaves.append(n)
     return adds, leaves
