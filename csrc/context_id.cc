@@ -11,7 +11,8 @@ namespace {
 
 struct ContextIdTensor {
   dl::ManagedTensor managed;
-  int64_t id = ContextPool<SavedContext>::kNoContext;
+  std::vector<int64_t> ids;
+  int64_t size = 0;  // (the tensor's shape)
 };
 
 // The live context-id tensors (a handful: one per pending backward).
@@ -26,21 +27,24 @@ void ReleaseContextId(dl::ManagedTensor* self) {
   }
   // An id whose backward already took its context finds nothing (ids are 63 random bits: that a
   // new context drew the same id meanwhile is not a case to plan for).
-  if (auto saved = Contexts().Take(holder->id)) ReleasePython(saved->ctx);
+  for (int64_t id : holder->ids) {
+    if (auto saved = Contexts().Take(id)) ReleasePython(saved->ctx);
+  }
   delete holder;
 }
 
 }  // namespace
 
-PyObject* NewContextIdCapsule(int64_t id) {
+PyObject* NewContextIdsCapsule(std::vector<int64_t> ids) {
   auto* holder = new ContextIdTensor;
-  holder->id = id;
+  holder->ids = std::move(ids);
+  holder->size = static_cast<int64_t>(holder->ids.size());
   dl::Tensor& t = holder->managed.dl_tensor;
-  t.data = &holder->id;
+  t.data = holder->ids.data();
   t.device = {dl::kCPU, 0};
-  t.ndim = 0;
+  t.ndim = 1;
   ToDLDataType(ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, &t.dtype);
-  t.shape = nullptr;
+  t.shape = &holder->size;
   t.strides = nullptr;
   t.byte_offset = 0;
   holder->managed.manager_ctx = holder;
@@ -55,7 +59,7 @@ PyObject* NewContextIdCapsule(int64_t id) {
 std::unordered_set<int64_t> HeldByContextIdTensors() {
   std::lock_guard<std::mutex> lock(g_holders_mutex);
   std::unordered_set<int64_t> ids;
-  for (const ContextIdTensor* holder : g_holders) ids.insert(holder->id);
+  for (const ContextIdTensor* holder : g_holders) ids.insert(holder->ids.begin(), holder->ids.end());
   return ids;
 }
 

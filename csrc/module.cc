@@ -69,15 +69,15 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("context_id"), "Drops a context whose backward will never run. Returns whether it was live.");
   m.def(
-      "context_id_capsule",
-      [](int64_t id) {
-        PyObject* capsule = ortbridge::NewContextIdCapsule(id);
+      "context_ids_capsule",
+      [](std::vector<int64_t> ids) {
+        PyObject* capsule = ortbridge::NewContextIdsCapsule(std::move(ids));
         if (!capsule) throw py::error_already_set();
         return py::reinterpret_steal<py::object>(capsule);
       },
-      py::arg("context_id"),
-      "A DLPack capsule over a 0-d int64 tensor holding a context id; freeing the tensor releases "
-      "that context unless a backward took it.");
+      py::arg("context_ids"),
+      "A DLPack capsule over a 1-d int64 tensor holding context ids; freeing the tensor releases "
+      "each of those contexts that no backward took.");
   m.def(
       "element_types",
       [] {

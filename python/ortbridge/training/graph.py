@@ -225,7 +225,7 @@ def _device_of(values: list) -> torch.device:
     """The one device of a graph's tensor inputs and outputs (nodes), context ids aside: they
     live on the host."""
     devices = {v.meta["val"].device for v in values if isinstance(v.meta.get("val"), torch.Tensor)
-               and not _is_context_id(v) and not _is_context_input(v)}
+               and not is_context_id(v) and not _is_context_input(v) and not _is_context_vector_input(v)}
     if len(devices) > 1:
         raise NotImplementedError(f"the graph's tensors are on {' and '.join(sorted(map(str, devices)))}; "
                                   "ortbridge runs a graph on one device: move the module and its arguments there")
@@ -262,9 +262,14 @@ def _providers(providers, device: torch.device) -> list:
     return (cuda or [("CUDAExecutionProvider", ours)]) + [p for p in given if p[0] != "CUDAExecutionProvider"]
 
 
-def _is_context_id(node: torch.fx.Node) -> bool:
+def is_context_id(node: torch.fx.Node) -> bool:
     return (node.op == "call_function" and node.target is operator.getitem and node.args[1] == 0
             and node.args[0].target is _PYTHON_OP)
+
+
+def _is_context_vector(node: torch.fx.Node) -> bool:
+    """Whether a forward graph's output is the saved context ids as one vector (partition.py)."""
+    return node.target is torch.ops.aten.stack.default and all(is_context_id(n) for n in node.args[0])
 
 
 def _is_context_input(node: torch.fx.Node) -> bool:
@@ -272,12 +277,24 @@ def _is_context_input(node: torch.fx.Node) -> bool:
     return any(u.target is _PYTHON_OP_GRAD and u.args[0] is node for u in node.users)
 
 
+def _is_context_vector_input(node: torch.fx.Node) -> bool:
+    """Whether a backward graph's input is the vector of context ids: read only by selects of
+    one id each, which PythonOpGrads take as their contexts."""
+    return bool(node.users) and all(u.target is torch.ops.aten.select.int and u.args[1] == 0 and _is_context_input(u)
+                                    for u in node.users)
+
+
 class OnnxGraph:
     """An AOTAutograd graph rewritten for torch's ONNX exporter (pure FX, no ONNX Runtime):
     python_op / python_op_grad nodes emit PythonOp / PythonOpGrad, sizes given as inputs are
-    read from the tensors, and the outputs are what ONNX Runtime computes (`computed`: each
-    context id among them, in a tensor that owns it). Every output of the original graph has a
-    source: ("none",), ("input", k), ("constant", tensor), ("size", j) or ("onnx", j)."""
+    read from the tensors, and the outputs are what ONNX Runtime computes (`computed`). Every
+    output of the original graph has a source: ("none",), ("input", k), ("constant", tensor),
+    ("size", j), ("onnx", j), or ("contexts", j): the saved context ids, in one tensor that owns
+    them (all of them where j is None, else its element j).
+
+    Context ids travel in the runs' own buffers (see _Binding): a forward graph's first
+    `saved_contexts` context-id outputs are the saved ones, in order; a backward graph's context
+    ids are its last inputs, one 0-d id each, from the arguments `context_args` in order."""
 
     def __init__(self, gm: torch.fx.GraphModule, training: bool):
         # (rewrites AOTAutograd's graph in place: the new GraphModule shares it)
@@ -288,12 +305,20 @@ class OnnxGraph:
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         sizes = _Sizes(graph, placeholders)
         output = graph.output_node()
-        computed: list[torch.fx.Node] = []
+        # (first, so that they are the first context ids of the run)
+        saved_contexts = [i for r in output.args[0] if r is not None
+                          for i in (r.args[0] if _is_context_vector(r) else [r] if is_context_id(r) else [])]
+        self.saved_contexts = len(saved_contexts)
+        computed: list[torch.fx.Node] = list(saved_contexts)
         size_outputs = []
         self.sources = []
         for r in output.args[0]:
             if r is None:
                 self.sources.append(("none",))
+            elif _is_context_vector(r):
+                self.sources.append(("contexts", None))
+            elif is_context_id(r):
+                self.sources.append(("contexts", saved_contexts.index(r)))
             elif r.op == "placeholder" and isinstance(r.meta["val"], torch.Tensor):
                 self.sources.append(("input", placeholders.index(r)))
             elif r.op == "get_attr":  # a constant of the graph
@@ -312,7 +337,7 @@ class OnnxGraph:
         self.lent: list[int] = []  # indices in `computed` of those tensors
         for node in list(graph.nodes):
             if training and node.target is _PYTHON_OP:
-                ids = [u for u in node.users if _is_context_id(u)]
+                ids = [u for u in node.users if is_context_id(u)]
                 if not ids:
                     with graph.inserting_after(node):
                         ids = [graph.call_function(operator.getitem, (node, 0))]
@@ -327,8 +352,9 @@ class OnnxGraph:
                         self.lent.append(len(computed))
                         computed.append(saved)
         self.device = _device_of(placeholders + computed)
-        self.context_inputs = {k for k, p in enumerate(placeholders) if _is_context_input(p)}  # (argument indices)
-        self.outputs = [(n.meta["val"].dtype, _is_context_id(n)) for n in computed]  # (dtype, is a context id)
+        self.context_args = [k for k, p in enumerate(placeholders)  # (before python_op_grad is rewritten)
+                             if _is_context_input(p) or _is_context_vector_input(p)]
+        self.outputs = [(n.meta["val"].dtype, is_context_id(n)) for n in computed]  # (dtype, is a context id)
         output_shapes = [list(n.meta["val"].shape) for n in computed]
         self.output_shapes = sizes.at_run_time(output_shapes) or (lambda args, shapes=output_shapes: shapes)
         self.size_outputs = sizes.at_run_time([size_outputs]) if size_outputs else None
@@ -340,12 +366,28 @@ class OnnxGraph:
                 node.target = _backward_node
                 node.args = (*node.args, sizes.shapes_in_graph(node.meta["val"]))
         # Sizes given as inputs are read from the tensors instead: ONNX inputs are tensors.
-        self.tensor_inputs = [k for k, p in enumerate(placeholders) if isinstance(p.meta["val"], torch.Tensor)]
-        self.input_values = [placeholders[k].meta["val"] for k in self.tensor_inputs]
+        self.tensor_inputs = [k for k, p in enumerate(placeholders)
+                              if isinstance(p.meta["val"], torch.Tensor) and k not in self.context_args]
         for p in placeholders:
             if not isinstance(p.meta["val"], torch.Tensor):
                 p.replace_all_uses_with(sizes.in_graph(p.meta["val"]))
                 graph.erase_node(p)
+        body = next(n for n in graph.nodes if n.op != "placeholder")
+        for k in self.context_args:  # (to the end of the inputs, one 0-d input per id)
+            p = placeholders[k]
+            if _is_context_input(p):
+                body.prepend(p)
+                continue
+            ids = []
+            for j in range(p.meta["val"].shape[0]):
+                with graph.inserting_before(body):
+                    ids.append(graph.placeholder(f"{p.name}_{j}"))
+                ids[-1].meta = dict(next(iter(p.users)).meta)  # (each a 0-d int64)
+            for select in list(p.users):
+                select.replace_all_uses_with(ids[select.args[2]])
+                graph.erase_node(select)
+            graph.erase_node(p)
+        self.input_values = [p.meta["val"] for p in graph.nodes if p.op == "placeholder"]
         output.args = (tuple(computed),)
         graph.eliminate_dead_code()
         gm.recompile()
@@ -397,20 +439,18 @@ class GraphSession:
                                "onnxruntime.preload_dlls() loads torch's)")
         input_names = [i.name for i in self.session.get_inputs()]
         output_names = [o.name for o in self.session.get_outputs()]
-        if len(input_names) != len(graph.tensor_inputs) or len(output_names) != len(graph.outputs):
+        if len(input_names) != len(graph.input_values) or len(output_names) != len(graph.outputs):
             raise RuntimeError(f"the exported graph has {len(input_names)} inputs and {len(output_names)} "
-                               f"outputs, the captured one {len(graph.tensor_inputs)} and {len(graph.outputs)}")
+                               f"outputs, the captured one {len(graph.input_values)} and {len(graph.outputs)}")
         # What each run binds: (ONNX name, argument index, ORT device, numpy type) per input, (name,
         # ORT device, numpy type) per output, through the C binding (the Python wrapper costs ~10 us
         # per tensor). Context ids are bound once per binding instead (see _Binding).
         on_device = _ort_device(graph.device)
         self.input_bindings = [(name, k, _ort_device(value.device), _dtypes.numpy_type(value.dtype))
-                               for name, k, value in zip(input_names, graph.tensor_inputs, graph.input_values)
-                               if k not in graph.context_inputs]
+                               for name, k, value in zip(input_names, graph.tensor_inputs, graph.input_values)]
         self.output_bindings = [(name, on_device, _dtypes.numpy_type(dtype))
                                 for name, (dtype, is_context) in zip(output_names, graph.outputs) if not is_context]
-        self.context_inputs = [(name, k) for name, k in zip(input_names, graph.tensor_inputs)
-                               if k in graph.context_inputs]
+        self.context_inputs = input_names[len(graph.tensor_inputs):]
         self.context_outputs = [name for name, (_, is_context) in zip(output_names, graph.outputs) if is_context]
         self.stream = _cuda_stream(graph.device) if graph.device.type == "cuda" else None
         self._bindings: list[_Binding] = []  # not in use
@@ -431,11 +471,11 @@ class GraphSession:
         graph = self.graph
         inputs = [a.contiguous() if isinstance(a, torch.Tensor) else a for a in args]  # (alive until the run ends)
         args.clear()  # the boxed convention: the callee may free its inputs early
-        outputs = self._run_session(inputs) if self.session is not None else []
+        outputs, contexts = self._run_session(inputs) if self.session is not None else ([], None)
         size_outputs = graph.size_outputs(inputs)[0] if graph.size_outputs else ()
-        by_kind = {"input": inputs, "size": size_outputs, "onnx": outputs}
-        return [None if s[0] == "none" else s[1] if s[0] == "constant" else by_kind[s[0]][s[1]]
-                for s in graph.sources]
+        by_kind = {"input": inputs, "size": size_outputs, "onnx": outputs, "contexts": contexts}
+        return [None if s[0] == "none" else s[1] if s[0] == "constant" else
+                contexts if s == ("contexts", None) else by_kind[s[0]][s[1]] for s in graph.sources]
 
     def _run_session(self, inputs: list) -> list:
         trial = self._trial
@@ -469,14 +509,15 @@ class GraphSession:
         for name, k, device, numpy_type in self.input_bindings:
             t = inputs[k]
             bind_input(name, device, numpy_type, t.shape, t.data_ptr() or _placeholder_address(t))
-        if self.context_inputs:
-            torch.stack([inputs[k] for _, k in self.context_inputs], out=binding.ids_in)
-        device = self.graph.device
+        graph = self.graph
+        if graph.context_args:
+            torch.cat([inputs[k].view(-1) for k in graph.context_args], out=binding.ids_in)
+        device = graph.device
         outputs = [None if is_context else torch.empty(shape, dtype=dtype, device=device)
-                   for (dtype, is_context), shape in zip(self.graph.outputs, self.graph.output_shapes(inputs))]
+                   for (dtype, is_context), shape in zip(graph.outputs, graph.output_shapes(inputs))]
         for (name, ort_device, numpy_type), t in zip(self.output_bindings, (t for t in outputs if t is not None)):
             bind_output(name, ort_device, numpy_type, t.shape, t.data_ptr() or _placeholder_address(t))
-        lent = [outputs[j] for j in self.graph.lent if outputs[j].data_ptr()]
+        lent = [outputs[j] for j in graph.lent if outputs[j].data_ptr()]
 
         def run():
             for t in lent:
@@ -486,23 +527,24 @@ class GraphSession:
             finally:
                 for t in lent:
                     del _lent_buffers[t.data_ptr()]
-            # Each context id in a tensor that owns it, made before the run scope ends (which
-            # releases the contexts no tensor holds).
-            ids = iter(binding.ids_out.tolist())
-            outputs[:] = [_from_dlpack(_C.context_id_capsule(next(ids))) if t is None else t for t in outputs]
+            # The saved context ids in a tensor that owns them, made before the run scope ends
+            # (which releases the contexts no tensor holds).
+            if graph.saved_contexts:
+                ids = binding.ids_out.tolist()[:graph.saved_contexts]
+                return _from_dlpack(_C.context_ids_capsule(ids))
+            return None
 
         if self.stream is None:
-            runtime.in_run_scope(run, _no_outputs)
-            return outputs
+            return outputs, runtime.in_run_scope(run, _no_outputs)
         # ORT's stream starts after torch's work on the inputs and outputs; ORT's run ends once its
         # stream is done (context ids read on the host), and torch's later work waits for it too.
         # (ORT makes its device current on this thread: the caller's is put back.)
         with torch.cuda.device(device):
             current = torch.cuda.current_stream(device)
             self.stream.wait_stream(current)
-            runtime.in_run_scope(run, _no_outputs)
+            contexts = runtime.in_run_scope(run, _no_outputs)
             current.wait_stream(self.stream)
-        return outputs
+        return outputs, contexts
 
 
 class _Binding:
@@ -515,7 +557,7 @@ class _Binding:
         self.ids_in = torch.zeros(len(context_inputs), dtype=torch.int64)
         self.ids_out = torch.zeros(len(context_outputs), dtype=torch.int64)
         cpu, int64 = _ort_device(torch.device("cpu")), _dtypes.numpy_type(torch.int64)
-        for j, (name, _) in enumerate(context_inputs):
+        for j, name in enumerate(context_inputs):
             self.ort.bind_input(name, cpu, int64, [], self.ids_in.data_ptr() + 8 * j)
         for j, name in enumerate(context_outputs):
             self.ort.bind_output(name, cpu, int64, [], self.ids_out.data_ptr() + 8 * j)

@@ -9,12 +9,18 @@ the forward graph's outputs, and the backward graph applies the same views to it
 Runtime folds them into the operators that read them (FusedMatMul's transposes) or makes them
 once. The forward graph's output is then an input (passed through without ONNX Runtime) or a
 value the graph computes anyway; the bytes saved are the same.
+
+The context ids of the Function calls are saved as one int64 vector instead of one 0-d tensor per
+call: AOTAutograd's runtime handles each saved tensor in Python (about a microsecond each, in
+both graphs), and the forward run makes one tensor that owns them all (graph.py).
 """
 
 from __future__ import annotations
 
 import torch
 from torch._functorch.partitioners import default_partition
+
+from .graph import is_context_id
 
 aten = torch.ops.aten
 # Views that keep every element of their input (a saved base is no larger than the saved view;
@@ -29,6 +35,7 @@ def partition(joint_module: torch.fx.GraphModule, joint_inputs, *, num_fwd_outpu
     """AOTAutograd's partition_fn: its default partition, saved views moved to the backward graph."""
     forward, backward = default_partition(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
     _save_view_bases(forward, backward, num_fwd_outputs)
+    _save_context_ids_as_one(forward, backward, num_fwd_outputs)
     return forward, backward
 
 
@@ -82,3 +89,37 @@ def _save_view_bases(forward: torch.fx.GraphModule, backward: torch.fx.GraphModu
                 forward.graph.erase_node(node)
         forward.recompile()
         backward.recompile()
+
+
+def _save_context_ids_as_one(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule,
+                             num_fwd_outputs: int) -> None:
+    """The saved context ids become one saved `stack` of them, in the place of the first; the
+    backward graph's placeholders of them become `select`s of one placeholder in its place."""
+    outputs = forward.graph.output_node()
+    saved = list(outputs.args[0])
+    placeholders = {n.name: n for n in backward.graph.nodes if n.op == "placeholder"}
+    ids = [n for n in saved[num_fwd_outputs:]
+           if isinstance(n, torch.fx.Node) and is_context_id(n) and n.name in placeholders]
+    if not ids:
+        return
+    with forward.graph.inserting_before(outputs):
+        vector = forward.graph.call_function(aten.stack.default, (ids,))
+    vector.meta["val"] = ids[0].meta["val"].new_empty((len(ids),))
+    first = saved.index(ids[0])
+    saved = [n for n in saved if n not in ids]
+    saved.insert(first, vector)
+    outputs.args = (tuple(saved),)
+
+    old = [placeholders[n.name] for n in ids]
+    with backward.graph.inserting_before(old[0]):
+        held = backward.graph.placeholder("context_ids")
+    held.meta["val"] = vector.meta["val"]
+    body = next(n for n in backward.graph.nodes if n.op != "placeholder")
+    for j, placeholder in enumerate(old):
+        with backward.graph.inserting_before(body):
+            one = backward.graph.call_function(aten.select.int, (held, 0, j))
+        one.meta = dict(placeholder.meta)
+        placeholder.replace_all_uses_with(one)
+        backward.graph.erase_node(placeholder)
+    forward.recompile()
+    backward.recompile()
