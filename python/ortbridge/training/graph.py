@@ -375,7 +375,7 @@ class OnnxGraph:
         body = next(n for n in graph.nodes if n.op != "placeholder")
         for k in self.context_args:  # (to the end of the inputs, one 0-d input per id)
             p = placeholders[k]
-            if _is_context_input(p):
+            if p.meta["val"].dim() == 0:  # (one id)
                 body.prepend(p)
                 continue
             ids = []
@@ -477,7 +477,7 @@ class GraphSession:
         return [None if s[0] == "none" else s[1] if s[0] == "constant" else
                 contexts if s == ("contexts", None) else by_kind[s[0]][s[1]] for s in graph.sources]
 
-    def _run_session(self, inputs: list) -> list:
+    def _run_session(self, inputs: list) -> tuple:
         trial = self._trial
         if trial is None:
             return self._run_with(self.session, self._bindings, self.spinning, inputs)
@@ -494,7 +494,7 @@ class GraphSession:
                      *(1e6 * statistics.median(trial.times[k][1:]) for k in (True, False)))
         return outputs
 
-    def _run_with(self, session, bindings: list, spinning: bool, inputs: list) -> list:
+    def _run_with(self, session, bindings: list, spinning: bool, inputs: list) -> tuple:
         # ORT's own IOBinding binding, reused: its Python wrapper asks the session for its
         # providers on every run. One per concurrent run (another thread, a nested call).
         binding = bindings.pop() if bindings else _Binding(session, self.context_inputs, self.context_outputs)
@@ -505,6 +505,7 @@ class GraphSession:
             bindings.append(binding)
 
     def _run_bound(self, session, binding: _Binding, inputs: list) -> list:
+        """(the graph's computed outputs, None for each context id; the saved context ids' tensor or None)"""
         bind_input, bind_output = binding.ort.bind_input, binding.ort.bind_output
         for name, k, device, numpy_type in self.input_bindings:
             t = inputs[k]
