@@ -399,6 +399,28 @@ def test_saved_aliases_of_attention_probabilities_are_not_copied():
     assert "Identity" not in outputs and "Expand" not in outputs, outputs
 
 
+class _SafeSoftmax(torch.nn.Module):
+    def forward(self, x):
+        return torch.ops.aten._safe_softmax.default(x, -1) * 2
+
+
+def test_attentions_safe_softmax_keeps_its_values_with_two_reductions():
+    # _safe_softmax gives 0 for a row of -inf and NaN for a row with a NaN, wherever it is (ORT's
+    # ReduceMax passes over a NaN that is not a row's first element).
+    inf, nan = float("inf"), float("nan")
+    x = torch.randn(7, 5)
+    x[0], x[2], x[3] = -inf, -inf, -inf
+    x[1, 2], x[2, 3], x[3, 0], x[4, 1], x[5, 4] = nan, nan, nan, -inf, inf
+    wrapped = ortbridge.OrtModule(_SafeSoftmax()).eval()
+    with torch.no_grad():
+        got = wrapped(x)
+    expected = _SafeSoftmax()(x)
+    assert got[0].eq(0).all() and got[1:4].isnan().all() and got[6].isfinite().all()
+    torch.testing.assert_close(got, expected, equal_nan=True)
+    ops = [n.op_type for n in _all_captures(wrapped)[0].sessions[0].model.graph.node]
+    assert "ReduceMax" in ops and "ReduceMin" not in ops, ops
+
+
 class SavesItsOutput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
