@@ -191,6 +191,44 @@ def test_same_function_twice_on_the_same_inputs_trains():
     assert _graph_nodes(wrapped, 1).count(registry.qualified_name(Gelu)) == 2
 
 
+class OnAConstantToo(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("constant", torch.randn(5, 4))
+
+    def forward(self, x):
+        # (the same call twice, once on a tensor that needs no gradient: its output is not differentiable)
+        return Gelu.apply(self.constant) + Gelu.apply(self.lin(x))
+
+
+def test_same_function_on_a_constant_and_on_the_parameters_path_trains():
+    # The two calls match the same recorded call but for which inputs need a gradient; the
+    # constant's record (outputs not differentiable) was taken for both, and the parameters got no
+    # gradient. (train_like_eager compares every gradient with eager's.)
+    torch.manual_seed(0)
+    wrapped = train_like_eager(OnAConstantToo())
+    assert _graph_nodes(wrapped, 0).count(registry.qualified_name(Gelu)) == 2
+
+
+def test_first_call_inside_a_non_reentrant_checkpoint_trains():
+    # The capture happens inside checkpoint's saved-tensor hooks: what its recording run saved
+    # was counted as the step's, and the recomputation found fewer tensors.
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    model = Twice()
+    wrapped = ortbridge.OrtModule(copy.deepcopy(model))
+    x = torch.randn(5, 4, requires_grad=True)
+    y = x.detach().clone().requires_grad_()
+    checkpoint(model, x, use_reentrant=False).sum().backward()
+    checkpoint(wrapped, y, use_reentrant=False).sum().backward()
+    torch.testing.assert_close(y.grad, x.grad)
+    for p, q in zip(model.parameters(), wrapped.parameters()):
+        torch.testing.assert_close(q.grad, p.grad)
+    assert ortbridge.context_pool_size() == 0
+
+
 class TwoDraws(torch.nn.Module):
     def forward(self, x):
         return Noise.apply(x), Noise.apply(x)

@@ -27,6 +27,7 @@ class Call:
         self.objects = arguments.objects
         self.input_shapes = [tuple(t.shape) for t in arguments.tensors]
         self.key = arguments.key(self.input_shapes)
+        self.inputs_requiring_grad = tuple(t.requires_grad for t in arguments.tensors)
         self.returns_tuple = isinstance(result, tuple)
         outputs = result if self.returns_tuple else (result,)
         for i, o in enumerate(outputs):
@@ -99,12 +100,14 @@ def size_hint(dim) -> int:
 
 class CallTable:
     """The recorded calls, looked up by each traced call: same Function, constants (objects by
-    what they are: core.nodes._kind), input dtypes and example sizes."""
+    what they are: core.nodes._kind), input dtypes and example sizes; then, among those, the one
+    whose tensor inputs needed a gradient where the traced call's do (which outputs are
+    differentiable depends on it: f(x, 1.0) on a parameter's path and on a constant tensor)."""
 
     def __init__(self, calls: list[Call]):
-        self.calls = {}
+        self.calls: dict = {}  # (func, key) -> {inputs_requiring_grad: call}
         for call in calls:
-            self.calls.setdefault((call.func, call.key), call)
+            self.calls.setdefault((call.func, call.key), {}).setdefault(call.inputs_requiring_grad, call)
         self._matched = set()
 
     @property
@@ -116,13 +119,14 @@ class CallTable:
         arguments = Arguments(registry.registered_name(func), bind(func, args, kwargs), pin=False)
         traced = [[size_hint(d) for d in t.shape] for t in arguments.tensors]
         key = (func, arguments.key(traced))
-        call = self.calls.get(key)
-        if call is None:
+        recorded = self.calls.get(key)
+        if recorded is None:
             raise ExportError(f"{arguments.constants['func_name']} was called during tracing with arguments it was "
                               f"not called with in the eager run of the example inputs: {self._difference(key)}. The "
                               "model must call its Functions the same way on every run with these inputs.")
         self._matched.add(key)
-        return arguments, call
+        requiring_grad = tuple(t.requires_grad for t in arguments.tensors)
+        return arguments, recorded.get(requiring_grad) or next(iter(recorded.values()))
 
     def _difference(self, key) -> str:
         func, (constants, objects, dtypes, shapes) = key
@@ -147,7 +151,8 @@ class CallTable:
     def require_all_reached(self, tracer: str) -> None:
         """Refuses a trace that reached no call of some recorded Function (apply was not
         intercepted, or the trace took another path): it would have been inlined silently."""
-        missed = sorted({call.name for key, call in self.calls.items() if key not in self._matched})
+        missed = sorted({call.name for key, recorded in self.calls.items() if key not in self._matched
+                         for call in recorded.values()})
         if missed:
             raise ExportError(f"the eager run called {', '.join(missed)}, but {tracer} never reached its apply, so it "
                               "cannot be a PythonOp. Call the Function through its apply (Fn.apply, a stored Fn.apply, "
