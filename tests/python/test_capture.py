@@ -473,14 +473,16 @@ class SavesItsOutput(torch.autograd.Function):
 
 
 def test_the_recording_run_keeps_nothing_alive():
-    # The recording run notes what each Function saves: its hook keeping a saved output itself
-    # made a cycle (output -> its autograd node -> the saved output) that kept each capture's
-    # recorded forward alive.
+    # The recording run notes what each Function saves, and runs under saved-tensor hooks of its
+    # own (not the caller's): a hook keeping a saved output itself made a cycle (output -> its
+    # autograd node -> the saved output) that kept each capture's recorded forward alive, in a
+    # Function and out of one (sigmoid saves its output).
     def alive() -> int:  # (tensors of the model's activations: rows of 11)
         gc.collect()
         return sum(1 for o in gc.get_objects() if type(o) is torch.Tensor and o.dim() == 2 and o.shape[1] == 11)
 
-    wrapped = ortbridge.OrtModule(torch.nn.Sequential(torch.nn.Linear(5, 11), _Calls(SavesItsOutput)))
+    wrapped = ortbridge.OrtModule(torch.nn.Sequential(torch.nn.Linear(5, 11), torch.nn.Sigmoid(),
+                                                      _Calls(SavesItsOutput), torch.nn.Sigmoid()))
     before = alive()
     for rows in (2, 3, 4):  # (a capture each)
         wrapped(torch.randn(rows, 5)).sum().backward()

@@ -196,8 +196,9 @@ class Recorder:
         # (the CUDA devices' generators too, where the model runs there)
         cuda = sorted({t.device.index or 0 for t in (*model.parameters(), *model.buffers(), *arguments)
                        if t.device.type == "cuda"})
-        try:
-            with torch.random.fork_rng(devices=cuda), grad, intercepted(None, self._apply):
+        try:  # (outside the caller's saved-tensor hooks, as torch.utils.checkpoint's: this run's are not theirs)
+            with torch.random.fork_rng(devices=cuda), grad, intercepted(None, self._apply), \
+                    _saved_tensor_hooks(_detached):
                 model(*args, **kwargs)
         finally:  # (also when a call cannot be recorded)
             with torch.no_grad():
@@ -235,16 +236,23 @@ class Recorder:
 
 
 def _saved_storages(addresses: set):
-    """Saved-tensor hooks that note the storage address of each tensor saved for backward (none
-    where saved-tensor hooks are disabled)."""
-    if not torch._C._autograd._saved_tensors_hooks_is_enabled():
-        return contextlib.nullcontext()
-
+    """Saved-tensor hooks that note the storage address of each tensor saved for backward."""
     def pack(t: torch.Tensor) -> torch.Tensor:
         addresses.add(_storage_address(t))
-        return t.detach()  # (not t: a saved output would hold its own autograd node, a cycle)
+        return _detached(t)
 
+    return _saved_tensor_hooks(pack)
+
+
+def _saved_tensor_hooks(pack):
+    """Saved-tensor hooks packing with `pack` (none where saved-tensor hooks are disabled)."""
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+        return contextlib.nullcontext()
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t.detach()  # (not t: a saved output would hold its own autograd node, a cycle)
 
 
 def _storage_address(t: torch.Tensor) -> int | None:

@@ -95,10 +95,7 @@ class OrtModule(torch.nn.Module):
             name = f"{type(self.module).__name__}_{hashlib.sha1(repr(key).encode()).hexdigest()[:10]}_{len(captures)}"
             log.info("capturing %s (%s mode, %d tensor arguments)", name, "train" if key[0] else "eval", len(tensors))
             started = time.perf_counter()
-            # (outside the caller's saved-tensor hooks, as torch.utils.checkpoint's: what the capture's
-            # recording run saves is not the step's)
-            with torch.autograd.graph.saved_tensors_hooks(_kept_as_is, _kept_as_is):
-                capture = Capture(self.module, args, kwargs, self.all_functions, self.dynamic, self.options, name)
+            capture = Capture(self.module, args, kwargs, self.all_functions, self.dynamic, self.options, name)
             log.info("captured %s in %.2f s", name, time.perf_counter() - started)
             captures.append(capture)
         return capture(tensors)
@@ -144,7 +141,3 @@ class OrtModule(torch.nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._modules["module"], name)
-
-
-def _kept_as_is(t: torch.Tensor) -> torch.Tensor:
-    return t
