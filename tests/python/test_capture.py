@@ -588,9 +588,9 @@ def test_a_steps_context_ids_are_saved_as_one_tensor_that_owns_their_contexts(on
         monkeypatch.setattr(capture, "partition", default_partition)
     wrapped = train_like_eager(_ThreeSavingCalls(), functools.partial(_inputs_3d, shape=(2, 3, 6)))
     (forward, backward) = _all_captures(wrapped)[0].sessions
-    sources = [s for s in forward.graph.sources if s[0] == "contexts"]
+    sources = [s for s in forward.graph.sources if s[0] in ("ids", "id")]
     assert forward.graph.saved_contexts == 3 and len(backward.context_inputs) == 3
-    assert sources == ([("contexts", None)] if one_vector else [("contexts", j) for j in range(3)])
+    assert sources == ([("ids", 0)] if one_vector else [("id", j) for j in range(3)])
     assert len(backward.graph.context_args) == (1 if one_vector else 3)
     # The vector owns the contexts: a backward takes its own three, the forwards whose backward
     # never runs release theirs when torch frees the vector.

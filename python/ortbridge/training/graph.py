@@ -289,8 +289,8 @@ class OnnxGraph:
     python_op / python_op_grad nodes emit PythonOp / PythonOpGrad, sizes given as inputs are
     read from the tensors, and the outputs are what ONNX Runtime computes (`computed`). Every
     output of the original graph has a source: ("none",), ("input", k), ("constant", tensor),
-    ("size", j), ("onnx", j), or ("contexts", j): the saved context ids, in one tensor that owns
-    them (all of them where j is None, else its element j).
+    ("size", j), ("onnx", j), ("ids", 0): the saved context ids, in one tensor that owns them,
+    or ("id", j): its element j (where AOTAutograd's own partition saved each id alone).
 
     Context ids travel in the runs' own buffers (see _Binding): a forward graph's first
     `saved_contexts` context-id outputs are the saved ones, in order; a backward graph's context
@@ -316,9 +316,9 @@ class OnnxGraph:
             if r is None:
                 self.sources.append(("none",))
             elif _is_context_vector(r):
-                self.sources.append(("contexts", None))
+                self.sources.append(("ids", 0))
             elif is_context_id(r):
-                self.sources.append(("contexts", saved_contexts.index(r)))
+                self.sources.append(("id", saved_contexts.index(r)))
             elif r.op == "placeholder" and isinstance(r.meta["val"], torch.Tensor):
                 self.sources.append(("input", placeholders.index(r)))
             elif r.op == "get_attr":  # a constant of the graph
@@ -473,9 +473,9 @@ class GraphSession:
         args.clear()  # the boxed convention: the callee may free its inputs early
         outputs, contexts = self._run_session(inputs) if self.session is not None else ([], None)
         size_outputs = graph.size_outputs(inputs)[0] if graph.size_outputs else ()
-        by_kind = {"input": inputs, "size": size_outputs, "onnx": outputs, "contexts": contexts}
-        return [None if s[0] == "none" else s[1] if s[0] == "constant" else
-                contexts if s == ("contexts", None) else by_kind[s[0]][s[1]] for s in graph.sources]
+        by_kind = {"input": inputs, "size": size_outputs, "onnx": outputs, "ids": (contexts,), "id": contexts}
+        return [None if s[0] == "none" else s[1] if s[0] == "constant" else by_kind[s[0]][s[1]]
+                for s in graph.sources]
 
     def _run_session(self, inputs: list) -> tuple:
         trial = self._trial
@@ -504,7 +504,7 @@ class GraphSession:
         finally:
             bindings.append(binding)
 
-    def _run_bound(self, session, binding: _Binding, inputs: list) -> list:
+    def _run_bound(self, session, binding: _Binding, inputs: list) -> tuple:
         """(the graph's computed outputs, None for each context id; the saved context ids' tensor or None)"""
         bind_input, bind_output = binding.ort.bind_input, binding.ort.bind_output
         for name, k, device, numpy_type in self.input_bindings:
@@ -531,8 +531,7 @@ class GraphSession:
             # The saved context ids in a tensor that owns them, made before the run scope ends
             # (which releases the contexts no tensor holds).
             if graph.saved_contexts:
-                ids = binding.ids_out.tolist()[:graph.saved_contexts]
-                return _from_dlpack(_C.context_ids_capsule(ids))
+                return _from_dlpack(_C.context_ids_capsule(binding.ids_out[:graph.saved_contexts].tolist()))
             return None
 
         if self.stream is None:
