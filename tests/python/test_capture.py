@@ -603,6 +603,79 @@ def test_a_steps_context_ids_are_saved_as_one_tensor_that_owns_their_contexts(on
     assert ortbridge.context_pool_size() == 0
 
 
+class _NormedTied(torch.nn.Module):
+    """Batch norm (running statistics the step updates in place), a weight used twice, and
+    outputs that need no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+        self.norm = torch.nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        y = Gelu.apply(self.norm(self.b(self.a(x))))
+        return {"y": y, "largest": y.argmax(-1), "scale": 2}
+
+
+def test_a_training_step_runs_its_graphs_without_aotautograds_runtime(monkeypatch):
+    # AOTAutograd's runtime wrappers cost about a third of a small step; a step that needs only
+    # its graphs and copies into buffers runs them in one autograd.Function of its own.
+    from ortbridge.training import capture
+
+    traced = capture.aot_module_simplified
+
+    def without_runtime(*args, **kwargs):
+        traced(*args, **kwargs)
+        return lambda *tensors: pytest.fail("AOTAutograd's runtime ran")
+
+    monkeypatch.setattr(capture, "aot_module_simplified", without_runtime)
+    torch.manual_seed(0)
+    model = _NormedTied()
+    wrapped = train_like_eager(model)
+    (captured,) = _all_captures(wrapped)
+    assert captured.step is not None
+    for name, buffer in model.norm.named_buffers():
+        torch.testing.assert_close(getattr(wrapped.module.norm, name), buffer, msg=name)
+
+
+class _ReturnsItsInput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return Gelu.apply(self.lin(x)), x.view(-1)
+
+
+def test_a_step_that_returns_a_view_of_its_input_keeps_aotautograds_runtime():
+    torch.manual_seed(0)
+    wrapped = train_like_eager(_ReturnsItsInput())
+    (captured,) = _all_captures(wrapped)
+    assert captured.step is None
+    out, view = wrapped(torch.ones(2, 4))
+    assert view._base is not None
+
+
+@pytest.mark.parametrize("how", ["retain_graph", "create_graph"])
+def test_a_second_or_differentiable_backward_is_refused_and_releases_the_contexts(how):
+    torch.manual_seed(0)
+    wrapped = ortbridge.OrtModule(_NormedTied())
+    x = torch.randn(5, 4, requires_grad=True)
+    loss = wrapped(x)["y"].sum()
+    with pytest.raises(RuntimeError, match="runs once and is not differentiable"):
+        if how == "retain_graph":
+            loss.backward(retain_graph=True)
+        else:
+            torch.autograd.grad(loss, x, create_graph=True)
+    assert _all_captures(wrapped)[0].step is not None
+    del loss
+    gc.collect()  # (the error's traceback holds the graph)
+    assert ortbridge.context_pool_size() == 0
+    wrapped(x)["y"].sum().backward()  # (the next step runs)
+    assert x.grad is not None and ortbridge.context_pool_size() == 0
+
+
 def _inputs_3d(step: int, shape) -> tuple:
     g = torch.Generator().manual_seed(200 + step)
     return (torch.randn(*shape, generator=g, requires_grad=True),)

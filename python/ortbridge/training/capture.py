@@ -7,8 +7,9 @@ Runtime, glued into torch autograd by AOTAutograd.
    ortbridge::python_op, whose autograd formula is ortbridge::python_op_grad. The partitioner
    splits the joint graph: python_op in the forward graph, python_op_grad in the backward graph,
    the context id a saved tensor between them.
-3. Each graph becomes a GraphSession. AOTAutograd's runtime wrapper runs the forward session,
-   saves what backward needs, and runs the backward session when torch's autograd asks.
+3. Each graph becomes a GraphSession. A Step (step.py) runs the forward session, saves what
+   backward needs, and runs the backward session when torch's autograd asks; where the step needs
+   more of AOTAutograd's runtime than that (outputs that alias inputs, say), its wrappers do.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import traceback
 
 import torch
 import torch.utils._pytree as pytree
+from torch._functorch import config as functorch_config
 from torch._functorch.aot_autograd import aot_module_simplified
+from torch._guards import TracingContext, tracing
 from torch._export.utils import _compiling_state_context
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import (DimDynamic, GuardOnDataDependentSymNode, ShapeEnv,
@@ -32,6 +35,7 @@ from ..core.record import CallTable, Recorder
 from . import ops
 from .graph import GraphSession
 from .partition import partition
+from .step import Step
 
 aten = torch.ops.aten
 log = logging.getLogger("ortbridge")
@@ -194,16 +198,16 @@ def _python_op_apply(table: CallTable):
     return apply
 
 
-def _fakes(tensors: list, dynamic: bool) -> tuple[list, ShapeEnv | None]:
+def _fakes(tensors: list, dynamic: bool) -> tuple[list, FakeTensorMode, ShapeEnv | None]:
     """The capture's inputs as fake tensors in a fake mode of its own, in which a real tensor the
     module holds (a plain tensor attribute) becomes a constant of the graph. With `dynamic`, every
     dim is a symbol of its own (sizes 0 and 1 stay static, as torch specializes them)."""
     shape_env = ShapeEnv(duck_shape=False) if dynamic else None  # equal example sizes are not assumed equal later
     mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
     if not dynamic:
-        return [mode.from_tensor(t) for t in tensors], None
+        return [mode.from_tensor(t) for t in tensors], mode, None
     return [mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(
-        dynamic_sizes=[DimDynamic.DYNAMIC] * t.dim())) for t in tensors], shape_env
+        dynamic_sizes=[DimDynamic.DYNAMIC] * t.dim())) for t in tensors], mode, shape_env
 
 
 _DATA_DEPENDENT = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
@@ -245,10 +249,14 @@ class Capture:
         table = CallTable(recorder.calls)
         self.sessions: list[GraphSession] = []  # forward or inference graph, then backward graph
         self._guards = None
-        fakes, shape_env = _fakes(tensors, dynamic)
+        fakes, mode, shape_env = _fakes(tensors, dynamic)
         # Library code asks torch.compiler.is_compiling() for its trace-friendly branch: as under torch.export.
+        # (The tracing context receives the forward graph's metadata; the backward graph is made
+        # with the forward graph, not at the first backward, so that a Step can run both.)
+        context = TracingContext(mode)
         with intercepted(table.functions, _python_op_apply(table)), sdpa_kernel(SDPBackend.MATH), \
-                _compiling_state_context():
+                _compiling_state_context(), tracing(context), \
+                functorch_config.patch(force_non_lazy_backward_lowering=True):
             try:
                 self.compiled = aot_module_simplified(self.flat, fakes, fw_compiler=self._compiler("forward"),
                                                       bw_compiler=self._compiler("backward"),
@@ -258,6 +266,8 @@ class Capture:
             except _DATA_DEPENDENT as e:
                 raise _data_dependent_error(e) from e
         table.require_all_reached("AOTAutograd's trace of the module")
+        self.params = context.params_flat
+        self.step = context.fw_metadata and Step.of(context.fw_metadata, self.sessions, [*self.params, *tensors])
         if dynamic:
             code = shape_env.produce_guards_expression(fakes, ignore_static=False)
             self._guards = code and (compile(code, "<ortbridge guards>", "eval"), shape_env)
@@ -277,8 +287,9 @@ class Capture:
                 os.makedirs(folder, exist_ok=True)
             started = time.perf_counter()
             _tiled_pads_as_cat(gm)
-            self.sessions.append(GraphSession(gm, kind == "forward", self.options.get("session_options"),
-                                              self.options.get("providers"), save_as))
+            with tracing(None):  # (the export traces in a context of its own)
+                self.sessions.append(GraphSession(gm, kind == "forward", self.options.get("session_options"),
+                                                  self.options.get("providers"), save_as))
             log.info("%s: %s graph in ONNX Runtime after %.2f s%s", self.name, kind, time.perf_counter() - started,
                      f", saved to {save_as}" if save_as else "")
             return self.sessions[-1]
@@ -286,4 +297,6 @@ class Capture:
         return compile_graph
 
     def __call__(self, tensors: list) -> object:
+        if self.step is not None:
+            return self.flat.result(self.step([*self.params, *tensors]))
         return self.flat.result(self.compiled(*tensors))

@@ -1,0 +1,88 @@
+"""A captured training step's glue into torch autograd: one autograd.Function whose forward runs
+the forward graph's session and whose backward runs the backward graph's.
+
+AOTAutograd's own runtime does this for every graph it can trace (outputs that alias inputs,
+metadata mutations, tensor subclasses, RNG state, effect tokens), through layers of wrappers in
+Python that cost about a third of a small step's fixed cost (benchmarks/overhead.py). Where the
+capture's metadata shows a step needs none of that, only data mutations of inputs that need no
+gradient (batch norm's running statistics), this runtime takes its place; otherwise AOTAutograd's
+stays.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._functorch._aot_autograd.schemas import MutationType, OutputType, PlainTensorMeta, ViewAndMutationMeta
+
+
+class Step:
+    """The forward and backward sessions of a training capture, called as the module's flat
+    function: `step(params_and_buffers + tensors)` gives the module's output tensors."""
+
+    def __init__(self, meta: ViewAndMutationMeta, forward, backward):
+        self.forward_graph, self.backward_graph = forward, backward
+        self.mutated = meta.mutated_inp_runtime_indices  # each updated by the output at its position
+        self.outputs = slice(len(self.mutated), len(self.mutated) + meta.num_outputs)
+        self.returned = meta.num_forward_returns
+        self.non_differentiable = [k for k, info in enumerate(
+            [meta.input_info[i] for i in self.mutated] + meta.output_info) if not info.requires_grad]
+        self.saved = meta.tensors_saved_for_backwards_with_vc_check_slice
+        self.unchecked = meta.tensors_saved_for_backwards_no_vc_check_slice  # (saved without a version check, as eager saved them)
+        self.symints = meta.symints_saved_for_backwards_slice
+        # The backward graph's gradient inputs: of the outputs that have one.
+        self.tangents = [len(self.mutated) + k for k, info in enumerate(meta.output_info)
+                         if issubclass(info.raw_type, torch.Tensor) and info.requires_grad_for_backward]
+
+    @staticmethod
+    def of(meta: ViewAndMutationMeta, sessions: list, args: list) -> Step | None:
+        """The step for a capture of `args` (parameters, buffers, then tensor arguments), or None
+        where AOTAutograd's runtime must stay."""
+        if len(sessions) != 2 or not _plain(meta) or torch._C._is_any_autocast_enabled():
+            return None  # (under autocast, AOTAutograd's runtime runs the graphs with autocast off)
+        if len(args) != len(meta.input_info):
+            return None  # (inputs merged: a tensor given twice that the step mutates, views of one base)
+        return Step(meta, *sessions)
+
+    def __call__(self, args: list) -> list:
+        returned = _StepFunction.apply(self, *args)
+        for k, i in enumerate(self.mutated):
+            args[i].copy_(returned[k])
+        return returned[self.outputs]
+
+
+def _plain(meta: ViewAndMutationMeta) -> bool:
+    """Whether a step with this metadata needs nothing of AOTAutograd's runtime but the graphs'
+    calls and copies into mutated inputs that need no gradient."""
+    return (not meta.tokens and not meta.num_backward_tokens and not meta.is_rng_op_functionalized
+            and not meta.num_graphsafe_rng_states and not meta.num_intermediate_bases
+            and not (meta.num_opaque_objects_saved_for_bw or 0)
+            and all(isinstance(m, PlainTensorMeta) for m in (*meta.subclass_inp_meta, *meta.subclass_tangent_meta))
+            and meta.grad_enabled_mutation is None
+            and all(info.output_type is OutputType.non_alias for info in meta.output_info)
+            and all(info.mutation_type in (MutationType.NOT_MUTATED, MutationType.MUTATED_OUT_GRAPH)
+                    and not info.mutates_metadata and not info.requires_grad
+                    for info in (meta.input_info[i] for i in meta.mutated_inp_runtime_indices)))
+
+
+class _StepFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, step: Step, *args):
+        outputs = step.forward_graph(list(args))
+        ctx.step = step
+        ctx.save_for_backward(*(t.detach() if t._is_view() else t for t in outputs[step.saved]))
+        ctx.unchecked = outputs[step.unchecked]
+        ctx.symints = outputs[step.symints]
+        returned = tuple(outputs[:step.returned])
+        ctx.mark_non_differentiable(*(returned[k] for k in step.non_differentiable))
+        ctx._materialize_non_diff_grads = False  # (their gradients are not inputs of the backward graph)
+        return returned
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if torch.is_grad_enabled() or torch._C._autograd._get_current_graph_task_keep_graph():
+            raise RuntimeError("ortbridge: the backward of a captured step runs once and is not differentiable: "
+                               "backward(retain_graph=True) and create_graph=True are not supported (each "
+                               "Function's context is released by its backward)")
+        step = ctx.step
+        return (None, *step.backward_graph([*ctx.symints, *ctx.saved_tensors, *ctx.unchecked,
+                                            *(grads[k] for k in step.tangents)]))
