@@ -428,13 +428,47 @@ class _Attention(torch.nn.Module):
 
 
 def test_saved_aliases_of_attention_probabilities_are_not_copied():
-    # Attention saves its probabilities for backward as a detach (and an expand) of the softmax:
-    # as forward graph outputs they were Identity copies; the softmax itself is saved instead.
-    wrapped = train_like_eager(_Attention(), functools.partial(_inputs_3d, shape=(2, 5, 8)))
+    # Attention's math form saves its probabilities for backward as a detach (and an expand) of
+    # the softmax: as forward graph outputs they were Identity copies; the softmax itself is saved
+    # instead. (The math form is what runs off the CPU; on it, torch's fused kernel: below.)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    class MathAttention(_Attention):
+        def forward(self, x):
+            with sdpa_kernel(SDPBackend.MATH):
+                return super().forward(x)
+
+    wrapped = train_like_eager(MathAttention(), functools.partial(_inputs_3d, shape=(2, 5, 8)))
     forward = _all_captures(wrapped)[0].sessions[0].model.graph
     made_by = {o: n.op_type for n in forward.node for o in n.output}
     outputs = [made_by.get(o.name, "input") for o in forward.output]
     assert "Identity" not in outputs and "Expand" not in outputs, outputs
+
+
+class _MaskedAttention(_Attention):
+    def forward(self, x, mask):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        return self.out(_Calls(Gelu)(F.scaled_dot_product_attention(q, k, v, attn_mask=mask)).transpose(1, 2)
+                        .reshape(b, n, c))
+
+
+def _masked_inputs(step: int) -> tuple:
+    mask = torch.ones(2, 1, 5, 5, dtype=torch.bool)
+    mask[1, :, :, 3:] = False  # (padding)
+    return (*_inputs_3d(step, (2, 5, 8)), mask)
+
+
+def test_attention_on_the_cpu_runs_torchs_fused_kernel_each_way():
+    # ONNX has attention as two MatMuls around a Softmax, with the safe softmax's reductions: on
+    # the CPU torch's fused kernel (eager's) runs instead, a fallback node in each graph, its
+    # strided output read through a Reshape (a view in torch, refused on a dense tensor).
+    wrapped = train_like_eager(_MaskedAttention(), _masked_inputs)
+    forward, backward = (_ortbridge_nodes(s.model) for s in _all_captures(wrapped)[0].sessions)
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu.default" in forward
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu_backward.default" in backward
+    graph = _all_captures(wrapped)[0].sessions[0].model.graph
+    assert "Softmax" not in {n.op_type for n in graph.node}
 
 
 class _SafeSoftmax(torch.nn.Module):

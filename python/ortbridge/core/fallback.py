@@ -34,9 +34,13 @@ aten = torch.ops.aten
 # wrongly (_embedding_bag: the max indices that mode="max" saves for backward), and those with a
 # decomposition that ONNX Runtime runs slower than PyTorch runs the operator, chosen per operator
 # by benchmarks/fallback_ops.py (both ways, in training steps, in one run).
+# (Attention on the CPU too: torch's fused kernel, where ONNX has Softmax between two MatMuls and
+# their transposes; its outputs saved for backward are the kernel's own.)
 PYTORCH_PREFERRED: set = {aten._embedding_bag.default, aten._native_batch_norm_legit_functional.default,
                           aten.native_batch_norm_backward.default,
-                          aten.native_layer_norm_backward.default, aten.native_group_norm_backward.default}
+                          aten.native_layer_norm_backward.default, aten.native_group_norm_backward.default,
+                          aten._scaled_dot_product_flash_attention_for_cpu.default,
+                          aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
 
 
 def _opsets(opset_version: int | None) -> tuple[int, int]:
@@ -129,6 +133,11 @@ def exportable(program: torch.export.ExportedProgram, in_pytorch=frozenset(),
                  ", ".join(sorted({operators.name_of(n.target) for n in fallbacks})))
         for node in fallbacks:
             node.target = _emitter(node.target)
+        # A fallback node's outputs are dense, an operator's may not be (flash attention's): a
+        # view of one becomes a reshape (in ONNX both are Reshape).
+        for node in decomposed.graph.nodes:
+            if node.target is aten.view.default:
+                node.target = aten.reshape.default
         decomposed.graph_module.recompile()
         # Traced again, each fallback call emitting its node; the empty table decomposes nothing
         # (all is decomposed already), so the result is what torch's exporter translates.

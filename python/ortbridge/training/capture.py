@@ -44,8 +44,9 @@ log = logging.getLogger("ortbridge")
 # (gradients of a mean loss multiplied by the batch size); batch norm in training mode became
 # BatchNormalization in inference mode, so it runs in PyTorch (fallback.PYTORCH_PREFERRED: one
 # node each way, where its decomposition made ~60 small ONNX nodes per layer). (Likewise
-# attention: the capture asks for the math kernel, as the fused ones' outputs saved for backward
-# got other shapes than torch's.)
+# attention: on the CPU its fused kernel runs in PyTorch, a fallback node each way; elsewhere the
+# capture asks for the math kernel, as the fused ones' outputs saved for backward got other
+# shapes than torch's in ONNX.)
 _DECOMPOSITIONS = torch._decomp.get_decompositions([aten._native_batch_norm_legit, aten.native_batch_norm,
                                                     aten.nll_loss_forward])
 _batch_norm_backward = torch._decomp.decomposition_table[aten.native_batch_norm_backward.default]
@@ -254,7 +255,9 @@ class Capture:
         # (The tracing context receives the forward graph's metadata; the backward graph is made
         # with the forward graph, not at the first backward, so that a Step can run both.)
         context = TracingContext(mode)
-        with intercepted(table.functions, _python_op_apply(table)), sdpa_kernel(SDPBackend.MATH), \
+        on_cpu = all(t.device.type == "cpu" for t in (*tensors, *module.parameters(), *module.buffers()))
+        attention = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH] if on_cpu else [SDPBackend.MATH]
+        with intercepted(table.functions, _python_op_apply(table)), sdpa_kernel(attention), \
                 _compiling_state_context(), tracing(context), \
                 functorch_config.patch(force_non_lazy_backward_lowering=True):
             try:
