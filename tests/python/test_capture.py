@@ -691,23 +691,83 @@ def test_a_step_that_returns_a_view_of_its_input_keeps_aotautograds_runtime():
     assert view._base is not None
 
 
-@pytest.mark.parametrize("how", ["retain_graph", "create_graph"])
-def test_a_second_or_differentiable_backward_is_refused_and_releases_the_contexts(how):
+def test_retain_graph_runs_a_steps_backward_again_unless_it_calls_functions():
+    # A step's Functions' contexts are released by its backward: a second one is refused, clearly;
+    # a step without Function calls runs its backward graph as often as asked, as eager does.
     torch.manual_seed(0)
     wrapped = ortbridge.OrtModule(_NormedTied())
     x = torch.randn(5, 4, requires_grad=True)
     loss = wrapped(x)["y"].sum()
-    with pytest.raises(RuntimeError, match="runs once and is not differentiable"):
-        if how == "retain_graph":
-            loss.backward(retain_graph=True)
-        else:
-            torch.autograd.grad(loss, x, create_graph=True)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward through a captured step"):
+        loss.backward()
     assert _all_captures(wrapped)[0].step is not None
     del loss
     gc.collect()  # (the error's traceback holds the graph)
     assert ortbridge.context_pool_size() == 0
-    wrapped(x)["y"].sum().backward()  # (the next step runs)
-    assert x.grad is not None and ortbridge.context_pool_size() == 0
+
+    eager = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+    wrapped = ortbridge.OrtModule(copy.deepcopy(eager))
+    grads = []
+    for m in (eager, wrapped):
+        x.grad = None
+        loss = m(x).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        grads.append(x.grad)
+    assert _all_captures(wrapped)[0].step is not None
+    torch.testing.assert_close(grads[1], grads[0])
+    torch.testing.assert_close(wrapped.module[0].weight.grad, eager[0].weight.grad)
+
+
+def test_create_graph_gives_first_order_gradients_and_refuses_a_second_order():
+    torch.manual_seed(0)
+    model = _NormedTied()
+    wrapped = ortbridge.OrtModule(copy.deepcopy(model))
+    x = torch.randn(5, 4, requires_grad=True)
+    (expected,) = torch.autograd.grad(model(x)["y"].sum(), x)
+    (grad,) = torch.autograd.grad(wrapped(x)["y"].sum(), x, create_graph=True)
+    torch.testing.assert_close(grad, expected)
+    assert _all_captures(wrapped)[0].step is not None and grad.requires_grad
+    with pytest.raises(RuntimeError, match="double backward through a captured step"):
+        grad.sum().backward()
+    del grad
+    gc.collect()
+    assert ortbridge.context_pool_size() == 0
+
+
+class _UsesADetachedInput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, target):
+        return (Gelu.apply(self.lin(x)) - target.detach()).pow(2).mean()
+
+
+def test_an_input_whose_gradient_the_step_never_computes_is_detached():
+    # The input has a history that was backpropagated already; the step's backward must not walk
+    # into it (AOTAutograd detaches such inputs too).
+    torch.manual_seed(0)
+    wrapped = ortbridge.OrtModule(_UsesADetachedInput())
+    base = torch.randn(5, 4, requires_grad=True)
+    target = base.exp()
+    target.sum().backward()  # (frees target's history)
+    wrapped(torch.randn(5, 4), target).backward()
+    assert _all_captures(wrapped)[0].step is not None
+    assert ortbridge.context_pool_size() == 0
+
+
+def test_a_tensor_subclass_argument_keeps_aotautograds_runtime():
+    from torch.testing._internal.subclasses import WrapperSubclass
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+    wrapped = ortbridge.OrtModule(copy.deepcopy(model))
+    x = WrapperSubclass(torch.randn(3, 4)).requires_grad_()
+    y = wrapped(x)
+    y.sum().backward()
+    assert _all_captures(wrapped)[0].step is None and type(y) is WrapperSubclass
 
 
 def _inputs_3d(step: int, shape) -> tuple:

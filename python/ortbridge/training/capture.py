@@ -253,13 +253,15 @@ class Capture:
         fakes, mode, shape_env = _fakes(tensors, dynamic)
         # Library code asks torch.compiler.is_compiling() for its trace-friendly branch: as under torch.export.
         # (The tracing context receives the forward graph's metadata; the backward graph is made
-        # with the forward graph, not at the first backward, so that a Step can run both.)
+        # with the forward graph, not at the first backward, so that a Step can run both. No saved
+        # tensor is a donated buffer, which AOTAutograd's runtime would refuse retain_graph for:
+        # ONNX Runtime reuses none.)
         context = TracingContext(mode)
         on_cpu = all(t.device.type == "cpu" for t in (*tensors, *module.parameters(), *module.buffers()))
         attention = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH] if on_cpu else [SDPBackend.MATH]
         with intercepted(table.functions, _python_op_apply(table)), sdpa_kernel(attention), \
                 _compiling_state_context(), tracing(context), \
-                functorch_config.patch(force_non_lazy_backward_lowering=True):
+                functorch_config.patch(force_non_lazy_backward_lowering=True, donated_buffer=False):
             try:
                 self.compiled = aot_module_simplified(self.flat, fakes, fw_compiler=self._compiler("forward"),
                                                       bw_compiler=self._compiler("backward"),
@@ -269,6 +271,8 @@ class Capture:
             except _DATA_DEPENDENT as e:
                 raise _data_dependent_error(e) from e
         table.require_all_reached("AOTAutograd's trace of the module")
+        if context.fw_metadata is not None:
+            context.fw_metadata.bw_donated_idxs = []  # (None reads as "some" at run time)
         self.params = context.params_flat
         self.step = context.fw_metadata and Step.of(context.fw_metadata, self.sessions, [*self.params, *tensors])
         if dynamic:

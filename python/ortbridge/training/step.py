@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 from torch._functorch._aot_autograd.schemas import MutationType, OutputType, PlainTensorMeta, ViewAndMutationMeta
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 class Step:
@@ -27,11 +28,16 @@ class Step:
         self.non_differentiable = [k for k, info in enumerate(
             [meta.input_info[i] for i in self.mutated] + meta.output_info) if not info.requires_grad]
         self.saved = meta.tensors_saved_for_backwards_with_vc_check_slice
-        self.unchecked = meta.tensors_saved_for_backwards_no_vc_check_slice  # (saved without a version check, as eager saved them)
+        self.unchecked = meta.tensors_saved_for_backwards_no_vc_check_slice  # (as eager saved them: no version check)
         self.symints = meta.symints_saved_for_backwards_slice
         # The backward graph's gradient inputs: of the outputs that have one.
         self.tangents = [len(self.mutated) + k for k, info in enumerate(meta.output_info)
                          if issubclass(info.raw_type, torch.Tensor) and info.requires_grad_for_backward]
+        # Inputs with a history whose gradient the backward graph never computes: detached, as
+        # AOTAutograd does, so that torch's backward does not walk into that history.
+        self.detached = [i for i, (info, source) in enumerate(zip(meta.input_info, backward.graph.sources))
+                         if source[0] == "none" and info.requires_grad and not info.is_leaf]
+        self.runs_contexts = bool(backward.graph.context_args)  # (its Functions' contexts: released by a run)
 
     @staticmethod
     def of(meta: ViewAndMutationMeta, sessions: list, args: list) -> Step | None:
@@ -39,11 +45,15 @@ class Step:
         where AOTAutograd's runtime must stay."""
         if len(sessions) != 2 or not _plain(meta) or torch._C._is_any_autocast_enabled():
             return None  # (under autocast, AOTAutograd's runtime runs the graphs with autocast off)
-        if len(args) != len(meta.input_info):
-            return None  # (inputs merged: a tensor given twice that the step mutates, views of one base)
+        if len(args) != len(meta.input_info) or any(is_traceable_wrapper_subclass(t) for t in args):
+            # (inputs merged: a tensor given twice that the step mutates, views of one base; a
+            # tensor subclass, whose metadata the trace gives as that of its inner tensors)
+            return None
         return Step(meta, *sessions)
 
     def __call__(self, args: list) -> list:
+        for i in self.detached:
+            args[i] = args[i].detach()
         returned = _StepFunction.apply(self, *args)
         for k, i in enumerate(self.mutated):
             args[i].copy_(returned[k])
@@ -79,10 +89,27 @@ class _StepFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        if torch.is_grad_enabled() or torch._C._autograd._get_current_graph_task_keep_graph():
-            raise RuntimeError("ortbridge: the backward of a captured step runs once and is not differentiable: "
-                               "backward(retain_graph=True) and create_graph=True are not supported (each "
-                               "Function's context is released by its backward)")
         step = ctx.step
-        return (None, *step.backward_graph([*ctx.symints, *ctx.saved_tensors, *ctx.unchecked,
-                                            *(grads[k] for k in step.tangents)]))
+        if step.runs_contexts:
+            if getattr(ctx, "ran", False):
+                raise RuntimeError("ortbridge: a second backward through a captured step (retain_graph=True) whose "
+                                   "graph calls Functions: their contexts were released by the first backward. "
+                                   "Call the module again for another backward.")
+            ctx.ran = True
+        args = [*ctx.symints, *ctx.saved_tensors, *ctx.unchecked, *(grads[k] for k in step.tangents)]
+        if torch.is_grad_enabled():  # (create_graph=True: first-order gradients, as AOTAutograd gives)
+            return (None, *_FirstOrder.apply(step, torch.empty(0, requires_grad=True), *args))
+        return (None, *step.backward_graph(args))
+
+
+class _FirstOrder(torch.autograd.Function):
+    """The backward graph's run under create_graph=True: its gradients have a history whose own
+    backward refuses to run (the graph has no derivative), where it would give wrong results."""
+
+    @staticmethod
+    def forward(ctx, step: Step, anchor, *args):  # (anchor: a tensor that needs a gradient, so the outputs do)
+        return tuple(step.backward_graph(list(args)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("ortbridge: double backward through a captured step is not supported")
