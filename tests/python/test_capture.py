@@ -469,6 +469,13 @@ def test_attention_on_the_cpu_runs_torchs_fused_kernel_each_way():
     assert "aten::_scaled_dot_product_flash_attention_for_cpu_backward.default" in backward
     graph = _all_captures(wrapped)[0].sessions[0].model.graph
     assert "Softmax" not in {n.op_type for n in graph.node}
+    # A caller asking for the math kernel gets it.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    wrapped = ortbridge.OrtModule(_MaskedAttention())
+    with sdpa_kernel(SDPBackend.MATH):
+        wrapped(*_masked_inputs(0))
+    assert "Softmax" in {n.op_type for n in _all_captures(wrapped)[0].sessions[0].model.graph.node}
 
 
 class _SafeSoftmax(torch.nn.Module):

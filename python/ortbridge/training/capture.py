@@ -258,7 +258,8 @@ class Capture:
         # ONNX Runtime reuses none.)
         context = TracingContext(mode)
         on_cpu = all(t.device.type == "cpu" for t in (*tensors, *module.parameters(), *module.buffers()))
-        attention = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH] if on_cpu else [SDPBackend.MATH]
+        fused = on_cpu and torch.backends.cuda.flash_sdp_enabled()  # (unless the caller's sdpa_kernel excludes it)
+        attention = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH] if fused else [SDPBackend.MATH]
         with intercepted(table.functions, _python_op_apply(table)), sdpa_kernel(attention), \
                 _compiling_state_context(), tracing(context), \
                 functorch_config.patch(force_non_lazy_backward_lowering=True, donated_buffer=False):
