@@ -20,10 +20,10 @@ Before the repeats one run of each case, not in the medians, pays what a process
 Phases are timed by wrapping library functions from here (restored afterwards; no library code
 changes), each phase's time exclusive of the phases nested in it:
   record               core/record.py Recorder.run: one eager run recording each Function call
-  AOTAutograd          capture.py's aot_module_simplified and, at the first backward, torch's
-                       lazy compile of the backward graph (_AutogradBackwardCompiler), less the
-                       compilers they call (the rest of the rows below): fake-tensor trace of the
-                       joint graph, functionalization, decompositions, partition
+  AOTAutograd          capture.py's aot_module_simplified (which makes the backward graph too, at
+                       the capture), less the compilers it calls (the rest of the rows below):
+                       fake-tensor trace of the joint graph, functionalization, decompositions,
+                       partition
   torch.export         torch.export.export of the model (export) or of each AOTAutograd graph
   fallback             core/fallback.py exportable: run_decompositions as torch's ONNX exporter
                        would decompose, the check for operators without a translation and, where
@@ -188,8 +188,8 @@ def capture_timer() -> PhaseTimer:
     timer = PhaseTimer()
     timer.wrap(record.Recorder, "run", "record")
     timer.wrap(capture, "aot_module_simplified", "AOTAutograd")
-    # AOTAutograd compiles the backward graph at the first backward, outside aot_module_simplified
-    # (torch's lazy backward compile; a private class, so only where this torch has it).
+    # (The capture makes its backward graph inside aot_module_simplified; torch's lazy compile at
+    # the first backward is timed too, should it run: a private class, only where this torch has it.)
     lazy = getattr(runtime_wrappers, "_AutogradBackwardCompiler", None)
     if lazy is not None and hasattr(lazy, "get_or_compile"):
         timer.wrap(lazy, "get_or_compile", "AOTAutograd")

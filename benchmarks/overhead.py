@@ -62,8 +62,8 @@ repeats interleaved:
   OrtModule  ortbridge.OrtModule(module) with its default options (one ONNX Runtime thread
              for these small graphs, which sleeps between runs): the K calls are K PythonOp nodes
              in the forward graph and K PythonOpGrad nodes in the backward graph, and a step
-             also pays OrtModule.forward, AOTAutograd's runtime wrappers and the IOBinding of
-             each session run.
+             also pays OrtModule.forward, the Step's autograd.Function (training/step.py) and
+             the IOBinding of each session run.
   compile    torch.compile(module, backend="ortbridge"): dynamo inlines the traceable Function,
              so ONNX Runtime runs K clone operators and no Function is called. Its per-call
              column is the cost of one inlined clone, not of a Function call (--no-compile

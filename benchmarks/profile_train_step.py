@@ -18,8 +18,8 @@ a run lasts, torch on one thread inside it, as the trial's spinning session). Pr
    node's attribute in the session's graph: fallback nodes are all named PythonOp_default_<k>),
    with its share of the session's kernel time; the session run (model_run event) against the
    sum of its kernels (the executor's own cost), and the phase's mean wall time against the
-   session run (outside the session: input/output binding, output allocation, AOTAutograd's
-   wrappers, the autograd engine, the loss).
+   session run (outside the session: input/output binding, output allocation, the Step's
+   autograd.Function, the autograd engine, the loss).
 3. torch.profiler over --torch-steps steps of eager and of the ORT-profiled OrtModule: each
    PythonOp / PythonOpGrad kind's ORT kernel time in those steps, what torch spends inside it
    (the aten op of a fallback node, Function.apply's record for a Function's forward; children
