@@ -125,6 +125,17 @@ def test_operator_names_resolve_only_to_allowed_registered_operators(name):
         registry.lookup(name)
 
 
+def test_a_node_onnx_runtimes_optimizer_made_without_a_kernel_names_the_optimizer():
+    # (ONNX Runtime 1.19 fuses a float64 MatMul of a transpose into FusedMatMul, which it has no
+    # float64 kernel for: the session is made again with that optimizer off.)
+    from ortbridge.core import fallback
+
+    error = ("[ONNXRuntimeError] : 9 : NOT_IMPLEMENTED : Failed to find kernel for com.microsoft.FusedMatMul(1) "
+             "(node:'node_mm_2/MatmulTransposeFusion/' ep:'CPUExecutionProvider').")
+    assert fallback.optimizer_without_kernel(error) == "MatmulTransposeFusion"
+    assert fallback.optimizer_without_kernel("Failed to find kernel for Relu(14) (node:'node_relu' ep:'CPU')") is None
+
+
 def test_operator_node_runs_the_operator():
     forward = registry.lookup("aten::add.Tensor").forward
     (out,) = forward(None, (-1, -1, -1), ("alpha",), torch.ones(2), torch.ones(2), 2)

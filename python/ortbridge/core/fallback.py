@@ -102,6 +102,17 @@ def node_without_kernel(error: str) -> str | None:
     return match.group(1) if match else None
 
 
+# ONNX Runtime's refusal of a node its own optimizer made (`<node>/<optimizer>/`: a fusion into an
+# operator without a kernel for this type, as FusedMatMul of float64 before 1.20).
+_REFUSED_FUSION = re.compile(r"node:'[^']*/([A-Za-z0-9_]+)/'")
+
+
+def optimizer_without_kernel(error: str) -> str | None:
+    """The ONNX Runtime optimizer that made the node ONNX Runtime refused, or None."""
+    match = _REFUSED_FUSION.search(error)
+    return match.group(1) if match else None
+
+
 def exportable(program: torch.export.ExportedProgram, in_pytorch=frozenset(),
                opset_version: int | None = None) -> torch.export.ExportedProgram:
     """`program` decomposed as torch's ONNX exporter would decompose it for `opset_version`, each

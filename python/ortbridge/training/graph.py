@@ -416,15 +416,24 @@ class GraphSession:
             return
         # A node ONNX Runtime has no kernel for (an operator on a type its kernels do not take: Relu
         # of int64, ArgMax of bool) runs in PyTorch instead, and the graph is exported again.
+        # A node ONNX Runtime's optimizer made without a kernel for its type: that optimizer is off.
         in_pytorch: set[str] = set()
+        self._disabled_optimizers: set[str] = set()
         options = session_options or default_session_options(graph.largest_tensor)
         while True:
             self.model = graph.to_onnx(in_pytorch)
             try:
                 self.session = runtime.InferenceSession(self.model.SerializeToString(), options,
-                                                        providers=_providers(providers, graph.device))
+                                                        providers=_providers(providers, graph.device),
+                                                        disabled_optimizers=self._disabled_optimizers)
                 break
             except (ort_capi.NotImplemented, ort_capi.InvalidGraph) as e:
+                optimizer = fallback.optimizer_without_kernel(str(e))
+                if optimizer is not None and optimizer not in self._disabled_optimizers:
+                    log.info("ONNX Runtime's %s made a node it has no kernel for (%s): that optimizer is off",
+                             optimizer, str(e).splitlines()[0])
+                    self._disabled_optimizers.add(optimizer)
+                    continue
                 node = fallback.node_without_kernel(str(e))
                 if node is None or node in in_pytorch:
                     raise
@@ -459,7 +468,7 @@ class GraphSession:
         if session_options is None and graph.device.type == "cpu" and options.intra_op_num_threads > 1:
             self._trial = _SpinningTrial(runtime.InferenceSession(
                 self.model.SerializeToString(), default_session_options(graph.largest_tensor, spinning=True),
-                providers=_providers(providers, graph.device)))
+                providers=_providers(providers, graph.device), disabled_optimizers=self._disabled_optimizers))
 
     def __call__(self, args: list) -> list:
         if torch.is_inference_mode_enabled():  # Functions see normal tensors, as in an ORT session of their own
