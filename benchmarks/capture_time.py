@@ -181,18 +181,11 @@ def export_once(calls: int, training: bool) -> tuple[float, dict, str | None]:
 
 
 def capture_timer() -> PhaseTimer:
-    from torch._functorch._aot_autograd import runtime_wrappers
-
     from ortbridge.training import capture, graph
 
     timer = PhaseTimer()
     timer.wrap(record.Recorder, "run", "record")
-    timer.wrap(capture, "aot_module_simplified", "AOTAutograd")
-    # (The capture makes its backward graph inside aot_module_simplified; torch's lazy compile at
-    # the first backward is timed too, should it run: a private class, only where this torch has it.)
-    lazy = getattr(runtime_wrappers, "_AutogradBackwardCompiler", None)
-    if lazy is not None and hasattr(lazy, "get_or_compile"):
-        timer.wrap(lazy, "get_or_compile", "AOTAutograd")
+    timer.wrap(capture, "aot_module_simplified", "AOTAutograd")  # (the backward graph is made inside it)
     timer.wrap(graph.GraphSession, "__init__", "{graph} session glue",
                label=lambda args, kwargs: "fw" if (args[2] if len(args) > 2 else kwargs["training"]) else "bw")
     timer.wrap(graph.OnnxGraph, "__init__", "{graph} FX rewrite")

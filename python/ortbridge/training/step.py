@@ -12,7 +12,7 @@ stays.
 from __future__ import annotations
 
 import torch
-from torch._functorch._aot_autograd.schemas import MutationType, OutputType, PlainTensorMeta, ViewAndMutationMeta
+from torch._functorch._aot_autograd.schemas import MutationType, OutputType, ViewAndMutationMeta
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
@@ -65,9 +65,7 @@ def _plain(meta: ViewAndMutationMeta) -> bool:
     calls and copies into mutated inputs that need no gradient."""
     return (not meta.tokens and not meta.num_backward_tokens and not meta.is_rng_op_functionalized
             and not meta.num_graphsafe_rng_states and not meta.num_intermediate_bases
-            and not (meta.num_opaque_objects_saved_for_bw or 0)
-            and all(isinstance(m, PlainTensorMeta) for m in (*meta.subclass_inp_meta, *meta.subclass_tangent_meta))
-            and meta.grad_enabled_mutation is None
+            and not (meta.num_opaque_objects_saved_for_bw or 0) and meta.grad_enabled_mutation is None
             and all(info.output_type is OutputType.non_alias for info in meta.output_info)
             and all(info.mutation_type in (MutationType.NOT_MUTATED, MutationType.MUTATED_OUT_GRAPH)
                     and not info.mutates_metadata and not info.requires_grad
