@@ -10,7 +10,8 @@ result into ORT's output buffer. The reference is the same chain of Function.app
 eager PyTorch, timed in the same process and run.
 
 Three graph modes (and a module benchmark, --modes ortmodule, below):
-  inference  training_mode=0; eager runs the chain under torch.no_grad().
+  inference  training_mode=0, output 0 (the context id, which nothing reads) unnamed, as
+             ortbridge.export writes an inference node; eager runs the chain under torch.no_grad().
   forward    training_mode=0 and safe_run_mode=0: the node calls the Function's forward
              directly, without Function.apply (ORT's opt-in fast path for inference). Eager as
              for inference.
@@ -104,7 +105,8 @@ def build_session(k: int, training: bool, safe: bool = True, device: str = "cpu"
     nodes, prev = [], "x"
     for i in range(k):
         out = "y" if i == k - 1 else f"y{i}"
-        nodes.append(python_op(Clone, prev, out, f"ctx{i}", f"fw{i}", training, safe))
+        context = f"ctx{i}" if training else ""  # (unread: unnamed, as ortbridge.export writes it)
+        nodes.append(python_op(Clone, prev, out, context, f"fw{i}", training, safe))
         prev = out
     inputs, outputs = [("x", [NUMEL])], [("y", None)]
     if training:

@@ -1,6 +1,7 @@
 #include "dlpack.h"
 
 #include <cstring>
+#include <new>
 #include <stdexcept>
 
 #include "element_types.h"
@@ -11,13 +12,24 @@ namespace {
 constexpr const char* kCapsuleName = "dltensor";
 constexpr const char* kUsedCapsuleName = "used_dltensor";
 
-// One allocation holds the DLPack header and its shape and stride arrays.
+// One allocation holds the DLPack header and, after it, its shape and stride arrays (one per
+// input and call, so a second allocation for the arrays counts).
 struct BorrowedTensor {
   dl::ManagedTensor managed;
-  std::vector<int64_t> shape_and_strides;
+
+  static BorrowedTensor* New(size_t ndim) {
+    static_assert(sizeof(BorrowedTensor) % alignof(int64_t) == 0);
+    void* memory = ::operator new(sizeof(BorrowedTensor) + 2 * ndim * sizeof(int64_t));
+    return new (memory) BorrowedTensor;
+  }
+  static void Delete(BorrowedTensor* b) {
+    b->~BorrowedTensor();
+    ::operator delete(b);
+  }
+  int64_t* shape_and_strides() { return reinterpret_cast<int64_t*>(this + 1); }
 };
 
-void DeleteBorrowed(dl::ManagedTensor* self) { delete static_cast<BorrowedTensor*>(self->manager_ctx); }
+void DeleteBorrowed(dl::ManagedTensor* self) { BorrowedTensor::Delete(static_cast<BorrowedTensor*>(self->manager_ctx)); }
 
 // A capsule torch never consumed still owns its tensor.
 void CapsuleDestructor(PyObject* capsule) {
@@ -44,9 +56,8 @@ int64_t FromDLDataType(dl::DataType d) {
 
 PyObject* BorrowAsCapsule(void* data, int64_t onnx_type, const int64_t* shape, size_t ndim, dl::Device device,
                           const int64_t* given_strides) {
-  auto* b = new BorrowedTensor;
-  b->shape_and_strides.resize(2 * ndim);
-  int64_t* dims = b->shape_and_strides.data();
+  BorrowedTensor* b = BorrowedTensor::New(ndim);
+  int64_t* dims = b->shape_and_strides();
   int64_t* strides = dims + ndim;
   int64_t stride = 1;
   for (size_t i = ndim; i-- > 0;) {

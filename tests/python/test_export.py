@@ -57,6 +57,8 @@ def test_model_matches_eager_and_keeps_everything_else_onnx(dynamo, tmp_path):
     assert [op for op in ops if op[0] == "ortbridge"] == [("ortbridge", "PythonOp")] * 3
     assert {d for d, _ in ops} <= {"ai.onnx", "ortbridge"}  # Linear, Mul, ... stay ordinary ONNX
     assert [n.name for n in nodes(saved)] == ["PythonOp_BiasGelu_0", "PythonOp_BiasGelu_1", "PythonOp_NumpyTopK_2"]
+    # An inference node's context id (0) that nothing reads is unnamed: the kernel writes no tensor for it.
+    assert [n.output[0] for n in nodes(saved)] == [""] * 3
     assert_same(run(saved, x), eager(net, x))
     assert proto == saved
     buffer = io.BytesIO()  # a binary file works as well as a path, as in torch.onnx.export

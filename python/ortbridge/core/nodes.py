@@ -215,6 +215,26 @@ def name_nodes(graph: onnx.GraphProto) -> None:
         node.name = f"{node.op_type}_{short}_{k}"
 
 
+def unname_unread_context_ids(graph: onnx.GraphProto) -> None:
+    """An inference PythonOp (a Function in an eval graph or an inference export, an operator run
+    by PyTorch) whose context id (0) nothing reads leaves output 0 unnamed, so its kernel allocates
+    and writes no tensor for it at each call."""
+    read = set(names_read(graph)) | {o.name for o in graph.output}
+    for node in graph.node:
+        if (node.domain == DOMAIN and node.op_type == "PythonOp" and node.output[0] not in read
+                and not any(a.name == "training_mode" and a.i for a in node.attribute)):
+            node.output[0] = ""
+
+
+def names_read(graph: onnx.GraphProto):
+    """The value names that the graph's nodes read, their subgraphs' included."""
+    for node in graph.node:
+        yield from node.input
+        for a in node.attribute:
+            for subgraph in [a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs:
+                yield from names_read(subgraph)
+
+
 @contextlib.contextmanager
 def quiet_exporter():
     """torch's exporter logs warnings about optional packages that do not concern the user."""

@@ -15,7 +15,7 @@ import torch
 
 from . import dynamo as _dynamo, torchscript as _torchscript
 from ..core.functions import ExportError
-from ..core.nodes import DOMAIN, name_nodes, quiet_exporter
+from ..core.nodes import DOMAIN, name_nodes, quiet_exporter, unname_unread_context_ids
 from ..core.record import Recorder
 
 
@@ -61,6 +61,8 @@ def export(model: torch.nn.Module, args, f=None, *, kwargs: dict | None = None, 
     name_nodes(proto.graph)
     if training:
         _expose_contexts(proto.graph)
+    else:
+        unname_unread_context_ids(proto.graph)
     if f is not None:
         onnx.save(proto, f if hasattr(f, "write") else os.fspath(f))
     return proto

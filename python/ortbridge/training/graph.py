@@ -29,7 +29,7 @@ from torch.utils._sympy.printers import PythonPrinter
 from .. import _C, _dtypes, runtime
 from .._runner import _from_dlpack, _lent_buffers
 from ..core import fallback
-from ..core.nodes import DOMAIN, emit_python_op, name_nodes, quiet_exporter
+from ..core.nodes import DOMAIN, emit_python_op, name_nodes, quiet_exporter, unname_unread_context_ids
 from ..core.record import size_hint
 from . import ops
 
@@ -127,25 +127,6 @@ def _spread_gradient_outputs(graph: onnx.GraphProto) -> None:
             produced = iter(list(node.output))
             del node.output[:]
             node.output.extend(next(produced) if w else "" for w in wanted)
-
-
-def _unname_unread_context_ids(graph: onnx.GraphProto) -> None:
-    """An inference PythonOp (a Function in an eval graph, an operator run by PyTorch) whose
-    context id (0) nothing reads leaves output 0 unnamed, so its kernel allocates no tensor for it."""
-    read = set(_names_read(graph)) | {o.name for o in graph.output}
-    for node in graph.node:
-        if (node.domain == DOMAIN and node.op_type == "PythonOp" and node.output[0] not in read
-                and not any(a.name == "training_mode" and a.i for a in node.attribute)):
-            node.output[0] = ""
-
-
-def _names_read(graph: onnx.GraphProto):
-    """The value names that the graph's nodes read, their subgraphs' included."""
-    for node in graph.node:
-        yield from node.input
-        for a in node.attribute:
-            for subgraph in [a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs:
-                yield from _names_read(subgraph)
 
 
 # A graph whose largest tensor has fewer elements runs on one thread: waking a sleeping thread of
@@ -396,7 +377,7 @@ class OnnxGraph:
         """The graph as ONNX; nodes named in `in_pytorch` (of the decomposed graph) run in PyTorch."""
         model = _export(self.module, self.input_values, in_pytorch)
         _spread_gradient_outputs(model.graph)
-        _unname_unread_context_ids(model.graph)
+        unname_unread_context_ids(model.graph)
         name_nodes(model.graph)  # (errors name the node: PythonOp_<Function>_<k>)
         return model
 
