@@ -320,6 +320,14 @@ def test_batch_norm_and_dropout_buffers_and_eval_mode():
     assert ortbridge.context_pool_size() == 0
 
 
+def test_batch_norm_of_an_input_without_gradient_trains():
+    # native_batch_norm_backward then returns no input gradient, where the trace of its meta
+    # function gave a tensor: the node declares only the gradients it returns.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
+    train_like_eager(model, make_inputs=lambda step: _inputs(step, requires_grad=False))
+
+
 # --- contexts and memory ----------------------------------------------------------------------
 
 def _bias_gelu_model() -> torch.nn.Module:

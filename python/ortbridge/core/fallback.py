@@ -217,7 +217,7 @@ def _emitter(op: torch._ops.OpOverload):
 
     def emit(*args, **kwargs):
         with disable_proxy_modes_tracing():  # the operator's outputs in this trace, not recorded
-            result = op(*args, **kwargs)
+            result = _masked(op, op(*args, **kwargs), args, kwargs)
         outputs = operators.flatten_outputs(result)
         layout, keywords, values = _layout(args, kwargs)
         arguments = Arguments(name, (layout, keywords, *values), pin=False)
@@ -231,6 +231,20 @@ def _emitter(op: torch._ops.OpOverload):
 
     emit.__name__ = emit.__qualname__ = f"ortbridge_fallback_{name.replace('::', '_').replace('.', '_')}"
     return emit
+
+
+def _masked(op: torch._ops.OpOverload, result, args: tuple, kwargs: dict):
+    """`result` with None for each output an `output_mask` argument leaves out, which the
+    operator returns as None when it runs (native_batch_norm_backward's meta function, which the
+    trace runs, gives a tensor there): the node's outputs are those it returns."""
+    names = [a.name for a in op._schema.arguments]
+    if "output_mask" not in names:
+        return result
+    position = names.index("output_mask")
+    mask = args[position] if position < len(args) else kwargs.get("output_mask")
+    if mask is None:
+        return result
+    return type(result)(None if i < len(mask) and not mask[i] else r for i, r in enumerate(result))
 
 
 def _refilled(result, outputs):
