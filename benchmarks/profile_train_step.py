@@ -137,6 +137,12 @@ def torch_profile(step, steps: int):
     return prof.key_averages()
 
 
+# Fallback nodes that run their operator through another (operators._INTO_OUTPUTS, writing into
+# ONNX Runtime's buffers), and what eager runs for it: (record inside the node, record in eager).
+SAME_KERNEL = {"aten::_native_batch_norm_legit_functional.default": ("aten::_native_batch_norm_legit",
+                                                                      "aten::native_batch_norm")}
+
+
 def total_ms(averages, key: str) -> float | None:
     """An event's CPU time (ms, children included) summed over the profile."""
     return next((a.cpu_time_total / 1e3 for a in averages if a.key == key), None)
@@ -218,8 +224,8 @@ def main() -> int:
                 op_type, _, func = label.partition(" ")
                 if not func:
                     continue
-                if func.startswith("aten::"):  # a fallback node: the aten op in both
-                    inside = eager = func.rsplit(".", 1)[0]
+                if func.startswith("aten::"):  # a fallback node: the aten op in both (or what runs it)
+                    inside, eager = SAME_KERNEL.get(func, (func.rsplit(".", 1)[0],) * 2)
                 else:  # a Function: Function.apply's record in both, its autograd node in eager's backward
                     name = func.rsplit(".", 1)[-1]
                     inside, eager = (name, name) if op_type == "PythonOp" else (None, f"{name}Backward")

@@ -1,5 +1,6 @@
 #include "kernel_io.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <stdexcept>
@@ -139,6 +140,42 @@ void KernelOutputs::Scalar(size_t index, int64_t value) {
   } else {
     *static_cast<int64_t*>(out.data) = value;
   }
+}
+
+py::object KernelOutputs::Lend(size_t index, const std::vector<int64_t>& shape, int64_t type) {
+  void* data = Allocate(index, shape, type);
+  PyObject* capsule = BorrowAsCapsule(data, type, shape.data(), shape.size(), placement_.device);
+  if (!capsule) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(capsule);
+}
+
+namespace {
+
+thread_local OutputLending* t_lending = nullptr;  // the innermost lending call on this thread
+
+}  // namespace
+
+OutputLending::OutputLending(KernelOutputs& writer, const std::vector<int64_t>& types,
+                             const std::vector<int64_t>& ranks, size_t skipped)
+    : writer_(writer), types_(types), ranks_(ranks), skipped_(skipped), outer_(t_lending) {
+  t_lending = this;
+}
+
+OutputLending::~OutputLending() { t_lending = outer_; }
+
+py::object LendOutput(size_t output, const std::vector<int64_t>& shape) {
+  OutputLending* lending = t_lending;
+  if (!lending) return py::none();
+  if (output >= lending->types_.size()) {
+    throw py::index_error("output " + std::to_string(output) + " of a node with " +
+                          std::to_string(lending->types_.size()) + " outputs");
+  }
+  if (static_cast<int64_t>(shape.size()) != lending->ranks_[output] ||
+      std::any_of(shape.begin(), shape.end(), [](int64_t d) { return d < 0; })) {
+    throw py::value_error("output " + std::to_string(output) + " cannot have shape " + ShapeText(shape) +
+                          ": the node declares rank " + std::to_string(lending->ranks_[output]));
+  }
+  return lending->writer_.Lend(output + lending->skipped_, shape, lending->types_[output]);
 }
 
 uint64_t SkippedOutputCopies() { return g_skipped_copies.load(); }

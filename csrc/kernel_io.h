@@ -50,6 +50,10 @@ class KernelOutputs {
   // Output `index` as a 0-d int64 tensor holding `value` (the context id).
   void Scalar(size_t index, int64_t value);
 
+  // Output `index` allocated now with `shape` and `type`, as a capsule viewing its buffer: what
+  // torch writes there and returns as that output is written without a copy.
+  py::object Lend(size_t index, const std::vector<int64_t>& shape, int64_t type);
+
  private:
   // Whether torch makes a copy of `bytes`: always off the CPU; on it, large ones.
   bool CopiedByTorch(size_t bytes) const;
@@ -63,5 +67,32 @@ class KernelOutputs {
   const py::object& runner_;
   CheckedOutputs& checked_;
 };
+
+// While it lives, the Python code of this kernel call may write outputs straight into the
+// buffers ORT gives them (LendOutput), instead of returning tensors of its own for the kernel to
+// copy: an operator node's PyTorch implementation that has an out= form. Only in a call without
+// autograd (training_mode 0: nothing saves the buffer for backward) on the CPU. One per thread,
+// the innermost call's (a Function may run a session itself). GIL held.
+class OutputLending {
+ public:
+  // `types` and `ranks`: the declared outputs after the first `skipped` ORT outputs.
+  OutputLending(KernelOutputs& writer, const std::vector<int64_t>& types, const std::vector<int64_t>& ranks,
+                size_t skipped);
+  OutputLending(const OutputLending&) = delete;
+  OutputLending& operator=(const OutputLending&) = delete;
+  ~OutputLending();
+
+ private:
+  friend py::object LendOutput(size_t output, const std::vector<int64_t>& shape);
+  KernelOutputs& writer_;
+  const std::vector<int64_t>& types_;
+  const std::vector<int64_t>& ranks_;
+  size_t skipped_;
+  OutputLending* outer_;
+};
+
+// Output `output` (the Python code's own numbering, from 0) of the innermost lending call on this
+// thread, allocated with `shape`, as a DLPack capsule; None outside such a call. GIL held.
+py::object LendOutput(size_t output, const std::vector<int64_t>& shape);
 
 }  // namespace ortbridge

@@ -11,10 +11,13 @@ length of a list) and the names of the trailing keyword arguments.
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 
 import torch
+
+from . import _C
 
 _NAME = re.compile(r"([A-Za-z][A-Za-z0-9_]*)::([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)\Z")
 # Never from a model file: reading a file it names, memory without bounds checks (_reshape_alias)
@@ -85,13 +88,53 @@ def flatten_outputs(result) -> list:
     raise TypeError(f"an operator returned a {type(result).__name__}; a fallback node gives tensors only")
 
 
+def _lent(output: int, shape, dtype: torch.dtype) -> torch.Tensor | None:
+    """ONNX Runtime's buffer for output `output` of the node being run, or None where the call
+    lends none (see _C._lend_output) or it would not have `dtype`."""
+    from ._runner import _from_dlpack  # (here: the runner imports the registry, which imports this module)
+
+    capsule = _C._lend_output(output, list(shape))
+    if capsule is None:
+        return None
+    buffer = _from_dlpack(capsule)
+    return buffer if buffer.dtype == dtype else None
+
+
+def _batch_norm_into_outputs(op, input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """Training batch norm (_native_batch_norm_legit_functional) with its outputs written where
+    ONNX Runtime wants them, not copied there: the out= form of _native_batch_norm_legit (the same
+    CPU kernel) writes the normalized input and the saved statistics into ORT's buffers, and
+    updates copies of the running statistics made in them. The functional call where a buffer
+    is not lent (outside a kernel call, off the CPU, mixed dtypes)."""
+    stats = running_mean.shape
+    wanted = [(input.shape, input.dtype), (stats, input.dtype), (stats, input.dtype),
+              (stats, running_mean.dtype), (stats, running_var.dtype)]
+    buffers = [_lent(i, shape, dtype) for i, (shape, dtype) in enumerate(wanted)] if training else [None]
+    if any(b is None for b in buffers):
+        return op(input, weight, bias, running_mean, running_var, training, momentum, eps)
+    out, save_mean, save_invstd, new_mean, new_var = buffers
+    new_mean.copy_(running_mean)
+    new_var.copy_(running_var)
+    torch.ops.aten._native_batch_norm_legit.out(input, weight, bias, new_mean, new_var, training, momentum, eps,
+                                                out=out, save_mean=save_mean, save_invstd=save_invstd)
+    return out, save_mean, save_invstd, new_mean, new_var
+
+
+# Operators whose node writes its outputs into ONNX Runtime's buffers (the copy of a large output
+# is a tenth of such a call): each with its implementation, called with the operator first.
+_INTO_OUTPUTS = {"aten::_native_batch_norm_legit_functional.default": _batch_norm_into_outputs}
+
+
 def _make_function(func_name: str, op: torch._ops.OpOverload) -> type:
+    into_outputs = _INTO_OUTPUTS.get(func_name)
+    call = functools.partial(into_outputs, op) if into_outputs else op
+
     def forward(ctx, layout, keywords, *values):
         args, given = [], iter(values)
         for size in layout:
             args.append(next(given) if size < 0 else [next(given) for _ in range(size)])
         split = len(args) - len(keywords)
-        return tuple(flatten_outputs(op(*args[:split], **dict(zip(keywords, args[split:])))))
+        return tuple(flatten_outputs(call(*args[:split], **dict(zip(keywords, args[split:])))))
 
     def backward(ctx, *grads):
         raise RuntimeError(f"{func_name} runs as an operator node, which has no backward of its own")

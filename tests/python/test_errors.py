@@ -138,6 +138,56 @@ def test_inference_call_errors_as_a_training_call_does(faulty, mode):
     np.testing.assert_array_equal(sess.run(None, {"x": x})[0], x * 2)
 
 
+@ortbridge.register
+class IntoLentOutput(torch.autograd.Function):
+    """Writes x * 2 into the buffer ONNX Runtime lends its output, asked for as `request` says
+    ((output, shape); by default its own output and x's shape)."""
+    request = None
+
+    @staticmethod
+    def forward(ctx, x):
+        output, shape = IntoLentOutput.request or (0, x.shape)
+        capsule = ortbridge._C._lend_output(output, list(shape))
+        return x * 2 if capsule is None else torch.mul(x, 2, out=torch.utils.dlpack.from_dlpack(capsule))
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+LENDING_ERRORS = {
+    (1, (3,)): r"IndexError: output 1 of a node with 1 outputs",
+    (0, (1, 3)): r"ValueError: output 0 cannot have shape \(1, 3\): the node declares rank 1",
+    (0, (-1,)): r"ValueError: output 0 cannot have shape \(-1,\)",
+}
+
+
+def test_output_buffers_lent_to_python_are_written_without_a_copy_and_checked():
+    x = np.arange(3, dtype=np.float32)
+    node = python_op(IntoLentOutput, [T("x")], [(TP.FLOAT, 1)], out_names=["y"])
+    sess = session(model([node], [value("x", shape=[3])], [value("y")]))
+    copies = ortbridge._C.skipped_output_copies()
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], x * 2)
+    assert ortbridge._C.skipped_output_copies() == copies + 1
+    # Nothing is lent outside a kernel call, nor to a training call (which could save the buffer).
+    assert ortbridge._C._lend_output(0, [3]) is None
+    train = python_op(IntoLentOutput, [T("x", requires_grad=True)], [(TP.FLOAT, 1)], out_names=["y"], training=True)
+    y, ctx = session(model([train], [value("x", shape=[3])], [value("y"), value("ctx", TP.INT64, [])])).run(
+        None, {"x": x})
+    np.testing.assert_array_equal(y, x * 2)
+    assert ortbridge._C.skipped_output_copies() == copies + 1
+    ortbridge.release_context(int(ctx))
+    # A request the node cannot serve is an error naming it; the session recovers.
+    try:
+        for request, error in LENDING_ERRORS.items():
+            IntoLentOutput.request = request
+            with pytest.raises(ORT_ERRORS, match=error):
+                sess.run(None, {"x": x})
+    finally:
+        IntoLentOutput.request = None
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], x * 2)
+
+
 def grad_only_session():
     bw = python_op_grad(Faulty, "d", [("g", TP.FLOAT, 1)], [("gx", TP.FLOAT, 1)])
     return session(model([bw], [value("ctx", TP.INT64, []), value("g", shape=[3])], [value("gx")]))

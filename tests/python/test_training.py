@@ -328,6 +328,27 @@ def test_batch_norm_of_an_input_without_gradient_trains():
     train_like_eager(model, make_inputs=lambda step: _inputs(step, requires_grad=False))
 
 
+def test_training_batch_norm_writes_its_outputs_into_onnx_runtimes_buffers():
+    """The batch-norm node writes its five outputs (normalized input, saved statistics, running
+    statistics) where ONNX Runtime wants them, through the out= form of the same kernel, instead
+    of returning tensors to copy there: outputs and running statistics stay eager's, bit for bit."""
+    torch.manual_seed(0)
+    model = torch.nn.BatchNorm2d(4)
+    wrapped = ortbridge.OrtModule(copy.deepcopy(model))
+    copies = ortbridge._C.skipped_output_copies()
+    for step in range(3):
+        x = torch.randn(2, 4, 5, 5) * (step + 1) + step
+        out_w, out_e = wrapped(x), model(x)
+        torch.testing.assert_close(out_w, out_e, rtol=0, atol=0)
+        out_w.square().sum().backward()
+        out_e.square().sum().backward()
+    assert ortbridge._C.skipped_output_copies() == copies + 3 * 5
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(wrapped.module, name), getattr(model, name), rtol=0, atol=0)
+    for name in ("weight", "bias"):
+        torch.testing.assert_close(getattr(wrapped.module, name).grad, getattr(model, name).grad)
+
+
 # --- contexts and memory ----------------------------------------------------------------------
 
 def _bias_gelu_model() -> torch.nn.Module:
