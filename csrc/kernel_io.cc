@@ -83,6 +83,10 @@ TensorView KernelOutputs::Write(size_t index, PyObject* capsule, int64_t type, i
     throw std::runtime_error(what() + " has shape " + ShapeText(out.shape) + ", but the forward input had shape " +
                              ShapeText(*expected_shape));
   }
+  if (const Lent* lent = LentElsewhere(index, t.data())) {
+    throw std::runtime_error(what() + " is in the buffer lent for output " + std::to_string(lent->index) +
+                             ": return a lent buffer as its own output");
+  }
   out.data = Allocate(index, out.shape, type);
   if (out.data == t.data() && t.compact()) {
     g_skipped_copies.fetch_add(1, std::memory_order_relaxed);  // the Function wrote into ORT's buffer
@@ -144,38 +148,52 @@ void KernelOutputs::Scalar(size_t index, int64_t value) {
 
 py::object KernelOutputs::Lend(size_t index, const std::vector<int64_t>& shape, int64_t type) {
   void* data = Allocate(index, shape, type);
+  lent_.push_back({index, static_cast<const char*>(data), ByteSize({type, shape})});
   PyObject* capsule = BorrowAsCapsule(data, type, shape.data(), shape.size(), placement_.device);
   if (!capsule) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(capsule);
 }
 
+const KernelOutputs::Lent* KernelOutputs::LentElsewhere(size_t index, const void* data) const {
+  const char* p = static_cast<const char*>(data);
+  for (const Lent& l : lent_) {
+    if (l.index != index && p >= l.begin && p < l.begin + l.bytes) return &l;
+  }
+  return nullptr;
+}
+
 namespace {
 
-thread_local OutputLending* t_lending = nullptr;  // the innermost lending call on this thread
+thread_local OutputLending* t_lending = nullptr;  // the innermost kernel call on this thread
 
 }  // namespace
 
-OutputLending::OutputLending(KernelOutputs& writer, const std::vector<int64_t>& types,
-                             const std::vector<int64_t>& ranks, size_t skipped)
-    : writer_(writer), types_(types), ranks_(ranks), skipped_(skipped), outer_(t_lending) {
-  t_lending = this;
+OutputLending* OutputLending::Enter(OutputLending* self) {
+  OutputLending* outer = t_lending;
+  t_lending = self;
+  return outer;
 }
 
 OutputLending::~OutputLending() { t_lending = outer_; }
 
 py::object LendOutput(size_t output, const std::vector<int64_t>& shape) {
-  OutputLending* lending = t_lending;
-  if (!lending) return py::none();
-  if (output >= lending->types_.size()) {
-    throw py::index_error("output " + std::to_string(output) + " of a node with " +
-                          std::to_string(lending->types_.size()) + " outputs");
+  const OutputLending* lending = t_lending;
+  if (!lending || !lending->writer_) return py::none();
+  const std::vector<int64_t>& types = *lending->types_;
+  if (output >= types.size()) {
+    throw py::index_error("output " + std::to_string(output) + " of a node with " + std::to_string(types.size()) +
+                          " outputs");
   }
-  if (static_cast<int64_t>(shape.size()) != lending->ranks_[output] ||
-      std::any_of(shape.begin(), shape.end(), [](int64_t d) { return d < 0; })) {
+  const int64_t rank = (*lending->ranks_)[output];
+  if (static_cast<int64_t>(shape.size()) != rank) {
     throw py::value_error("output " + std::to_string(output) + " cannot have shape " + ShapeText(shape) +
-                          ": the node declares rank " + std::to_string(lending->ranks_[output]));
+                          ": the node declares rank " + std::to_string(rank));
   }
-  return lending->writer_.Lend(output + lending->skipped_, shape, lending->types_[output]);
+  if (std::any_of(shape.begin(), shape.end(), [](int64_t d) { return d < 0; })) {
+    throw py::value_error("output " + std::to_string(output) + " cannot have shape " + ShapeText(shape) +
+                          ": a size is negative");
+  }
+  return lending->writer_->Lend(output + lending->skipped_, shape, types[output]);
 }
 
 uint64_t SkippedOutputCopies() { return g_skipped_copies.load(); }

@@ -61,8 +61,18 @@ class KernelOutputs {
     return AllocateOutput(api_, context_, index, shape, elem_type, checked_.FirstAllocation(index));
   }
 
+  struct Lent {
+    size_t index;
+    const char* begin;
+    size_t bytes;
+  };
+  // The output a lent buffer holds `data` for, where that is not `index` (a lent buffer returned
+  // as another output would be overwritten by its own output's copy, or copied over it).
+  const Lent* LentElsewhere(size_t index, const void* data) const;
+
   const OrtApi& api_;
   OrtKernelContext* context_;
+  std::vector<Lent> lent_;
   const Placement& placement_;
   const py::object& runner_;
   CheckedOutputs& checked_;
@@ -71,28 +81,34 @@ class KernelOutputs {
 // While it lives, the Python code of this kernel call may write outputs straight into the
 // buffers ORT gives them (LendOutput), instead of returning tensors of its own for the kernel to
 // copy: an operator node's PyTorch implementation that has an out= form. Only in a call without
-// autograd (training_mode 0: nothing saves the buffer for backward) on the CPU. One per thread,
-// the innermost call's (a Function may run a session itself). GIL held.
+// autograd (training_mode 0: nothing saves the buffer for backward) on the CPU; every other kernel
+// call opens one that lends nothing, so that a call nested in a lending one (a Function may run a
+// session itself) is never lent the outer call's buffers. Per thread, the innermost call's. GIL held.
 class OutputLending {
  public:
+  OutputLending() = default;  // lends nothing
   // `types` and `ranks`: the declared outputs after the first `skipped` ORT outputs.
-  OutputLending(KernelOutputs& writer, const std::vector<int64_t>& types, const std::vector<int64_t>& ranks,
-                size_t skipped);
+  OutputLending(KernelOutputs* writer, const std::vector<int64_t>* types, const std::vector<int64_t>* ranks,
+                size_t skipped)
+      : writer_(writer), types_(types), ranks_(ranks), skipped_(skipped) {}
   OutputLending(const OutputLending&) = delete;
   OutputLending& operator=(const OutputLending&) = delete;
   ~OutputLending();
 
  private:
   friend py::object LendOutput(size_t output, const std::vector<int64_t>& shape);
-  KernelOutputs& writer_;
-  const std::vector<int64_t>& types_;
-  const std::vector<int64_t>& ranks_;
-  size_t skipped_;
-  OutputLending* outer_;
+  KernelOutputs* writer_ = nullptr;
+  const std::vector<int64_t>* types_ = nullptr;
+  const std::vector<int64_t>* ranks_ = nullptr;
+  size_t skipped_ = 0;
+  OutputLending* outer_ = Enter(this);
+  static OutputLending* Enter(OutputLending* self);
 };
 
-// Output `output` (the Python code's own numbering, from 0) of the innermost lending call on this
-// thread, allocated with `shape`, as a DLPack capsule; None outside such a call. GIL held.
+// Output `output` (the Python code's own numbering, from 0) of the innermost kernel call on this
+// thread, allocated with `shape`, as a DLPack capsule; None where that call lends nothing, or
+// outside any. The buffer is valid until the call returns, like an input's: ORT then reuses it.
+// Returned as that output, it is written without a copy; as another output, it is an error. GIL held.
 py::object LendOutput(size_t output, const std::vector<int64_t>& shape);
 
 }  // namespace ortbridge

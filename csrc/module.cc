@@ -129,8 +129,8 @@ PYBIND11_MODULE(_C, m) {
       "A PythonOp node's attributes (by ONNX attribute type), validated as the kernel does it: its ForwardLayout.");
   m.def("_lend_output", &ortbridge::LendOutput, py::arg("output"), py::arg("shape"),
         "In an inference PythonOp's call on the CPU, a DLPack capsule over ONNX Runtime's buffer for the call's "
-        "output `output` (from 0) with `shape`: returned as that output, it is written without a copy. None "
-        "outside such a call.");
+        "output `output` (from 0) with `shape`, valid until the call returns: returned as that output, it is "
+        "written without a copy. None in any other kernel call and outside one.");
   m.def("_begin_run", &ortbridge::BeginRunScope);
   m.def("_end_run", &ortbridge::EndRunScope, py::arg("failed"),
         "Closes this thread's run scope; returns the ids of the contexts the run left live that no "

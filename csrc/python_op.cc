@@ -50,10 +50,10 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
             writer.Redirect(output, &inputs[input]);
           }
         }
-        std::optional<OutputLending> lending;  // (outputs written in place: an inference call on the CPU)
-        if (!layout_.training_mode && !placement_.via_torch()) {
-          lending.emplace(writer, layout_.output_tensor_types, layout_.output_tensor_ranks, 1);
-        }
+        const bool lends = !layout_.training_mode && !placement_.via_torch();  // (an inference call on the CPU)
+        OutputLending lending = lends ? OutputLending(&writer, &layout_.output_tensor_types,
+                                                      &layout_.output_tensor_ranks, 1)
+                                      : OutputLending();
         // (autograd context or None, output capsules..., [indices of inputs modified in place])
         py::tuple result = direct_.call ? CallDirect(inputs) : run_(BorrowInputs(inputs, placement_.device));
         const size_t n = layout_.output_tensor_types.size();

@@ -55,6 +55,7 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
       try {
         StreamScope stream(api_, context, placement_, runner_);
         KernelOutputs writer(api_, context, placement_, runner_, *checked_outputs_);
+        OutputLending lending;  // lends nothing, and hides the buffers of a call this one runs inside
         // One capsule or None per gradient output; None where no gradient is wanted or the
         // Function gave none (written as zeros).
         const bool all_present = layout_.grad_input_slots.size() == layout_.input_tensor_types.size();

@@ -105,12 +105,13 @@ def _batch_norm_into_outputs(op, input, weight, bias, running_mean, running_var,
     ONNX Runtime wants them, not copied there: the out= form of _native_batch_norm_legit (the same
     CPU kernel) writes the normalized input and the saved statistics into ORT's buffers, and
     updates copies of the running statistics made in them. The functional call where a buffer
-    is not lent (outside a kernel call, off the CPU, mixed dtypes)."""
+    is not lent (outside a kernel call, off the CPU, mixed dtypes) or is the input's own."""
     stats = running_mean.shape
     wanted = [(input.shape, input.dtype), (stats, input.dtype), (stats, input.dtype),
               (stats, running_mean.dtype), (stats, running_var.dtype)]
     buffers = [_lent(i, shape, dtype) for i, (shape, dtype) in enumerate(wanted)] if training else [None]
-    if any(b is None for b in buffers):
+    # (ORT may give the output the input's own buffer, where nothing else reads the input)
+    if any(b is None for b in buffers) or buffers[0].data_ptr() == input.data_ptr():
         return op(input, weight, bias, running_mean, running_var, training, momentum, eps)
     out, save_mean, save_invstd, new_mean, new_var = buffers
     new_mean.copy_(running_mean)
