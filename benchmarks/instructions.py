@@ -14,7 +14,7 @@ N calls are counted (Ir, instructions executed in user space). Per op = (Ir(K=64
   train/eval  a module calling Clone.apply K times, OrtModule against eager (overhead.py
               --modes ortmodule).
 Instructions are not time: ORT's path runs more code in more libraries than eager (fewer
-instructions per cycle), so time ratios come out above these; but they move by at most ~3% between
+instructions per cycle), so time ratios come out above these; but they move by at most ~5% between
 runs (eager's count too), where this machine's timings move by 10-50%, so a change's effect
 shows here first.
 
