@@ -15,7 +15,7 @@ import onnxruntime as ort
 import torch
 
 from .. import _C, convert, runtime
-from ..core.nodes import DOMAIN
+from ..core.nodes import DOMAIN, unname_unread_context_ids
 
 try:
     from onnxruntime.capi import _pybind_state as _ort_c
@@ -46,6 +46,8 @@ def _as_microsoft(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
             continue
         node.name = node.name or f"PythonOp_{k}"
         node.domain = _MICROSOFT
+        if not node.output[0]:  # (the builder's schema requires the context id an inference export leaves unnamed)
+            node.output[0] = f"{node.name}_context"
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         types = iter(attrs.get("input_tensor_types", []))
         # Each floating-point tensor input needs its gradient (what the builder asks of the node).
@@ -145,6 +147,7 @@ class TrainingGraph:
                 for a in node.attribute:
                     if a.name == "training_mode":
                         a.i = 0
+        unname_unread_context_ids(forward.graph)
         self.inference = runtime.InferenceSession(forward.SerializeToString(), runtime.session_options(sess_options),
                                                   providers=providers)
         self.inference_inputs = [i.name for i in self.inference.get_inputs()]
