@@ -44,7 +44,7 @@ StreamScope::~StreamScope() {
 
 namespace {
 
-py::object Capsule(void* data, int64_t type, const std::vector<int64_t>& shape, dl::Device device,
+py::object Capsule(void* data, int64_t type, const Shape& shape, dl::Device device,
                    const int64_t* strides = nullptr) {
   PyObject* capsule = BorrowAsCapsule(data, type, shape.data(), shape.size(), device, strides);
   if (!capsule) throw py::error_already_set();
@@ -56,7 +56,7 @@ py::object Capsule(void* data, int64_t type, const std::vector<int64_t>& shape, 
 void TorchCopy(const py::object& runner, void* dst, const ImportedTensor& src) {
   const dl::Tensor& t = src.tensor();
   const int64_t type = FromDLDataType(t.dtype);
-  const std::vector<int64_t> shape = src.shape();
+  const Shape shape = src.shape();
   runner.attr("copy_into")(Capsule(dst, type, shape, t.device),
                            Capsule(const_cast<char*>(src.data()), type, shape, t.device, t.strides),
                            src.Overlaps(dst));

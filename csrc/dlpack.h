@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "small_vector.h"
+
 namespace ortbridge {
 
 namespace dl {
@@ -62,7 +64,7 @@ class ImportedTensor {
 
   const dl::Tensor& tensor() const { return managed_->dl_tensor; }
   const char* data() const { return static_cast<const char*>(tensor().data) + tensor().byte_offset; }
-  std::vector<int64_t> shape() const { return {tensor().shape, tensor().shape + tensor().ndim}; }
+  Shape shape() const { return {tensor().shape, tensor().shape + tensor().ndim}; }
   int64_t element_count() const;
   size_t element_size() const { return tensor().dtype.bits / 8; }
   // Whether the elements lie in row-major order without gaps (no strides, or compact ones).

@@ -18,7 +18,8 @@ std::atomic<uint64_t> g_skipped_copies{0};
 constexpr size_t kTorchCopyBytes = size_t{1} << 20;
 
 // As Python prints a tuple: (), (3,), (2, 3).
-std::string ShapeText(const std::vector<int64_t>& shape) {
+template <class Dims>
+std::string ShapeText(const Dims& shape) {
   std::string s = "(";
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
   return s + (shape.size() == 1 ? ",)" : ")");
@@ -59,7 +60,7 @@ py::tuple BorrowInputs(const std::vector<TensorView>& inputs, dl::Device device)
 }
 
 TensorView KernelOutputs::Write(size_t index, PyObject* capsule, int64_t type, int64_t rank, const char* kind,
-                                const std::vector<int64_t>* expected_shape) {
+                                const Shape* expected_shape) {
   ImportedTensor t(capsule);
   const dl::Tensor& d = t.tensor();
   auto what = [&] { return std::string(kind) + " " + std::to_string(index); };
@@ -146,7 +147,7 @@ void KernelOutputs::Scalar(size_t index, int64_t value) {
   }
 }
 
-py::object KernelOutputs::Lend(size_t index, const std::vector<int64_t>& shape, int64_t type) {
+py::object KernelOutputs::Lend(size_t index, const Shape& shape, int64_t type) {
   void* data = Allocate(index, shape, type);
   lent_.push_back({index, static_cast<const char*>(data), ByteSize({type, shape})});
   PyObject* capsule = BorrowAsCapsule(data, type, shape.data(), shape.size(), placement_.device);
@@ -193,7 +194,7 @@ py::object LendOutput(size_t output, const std::vector<int64_t>& shape) {
     throw py::value_error("output " + std::to_string(output) + " cannot have shape " + ShapeText(shape) +
                           ": a size is negative");
   }
-  return lending->writer_->Lend(output + lending->skipped_, shape, types[output]);
+  return lending->writer_->Lend(output + lending->skipped_, Shape(shape.begin(), shape.end()), types[output]);
 }
 
 uint64_t SkippedOutputCopies() { return g_skipped_copies.load(); }

@@ -36,7 +36,7 @@ class KernelOutputs {
   // the kernel's device and has `type` and `rank` (and `expected_shape`, when given); returns
   // the output. Errors call it "<kind> <index>" ("gradient output 2").
   TensorView Write(size_t index, PyObject* capsule, int64_t type, int64_t rank, const char* kind,
-                   const std::vector<int64_t>* expected_shape = nullptr);
+                   const Shape* expected_shape = nullptr);
 
   // Output `index` is `input` updated in place: allocates it with the input's shape and points
   // `input` at that buffer. Where ORT gave the output the input's own buffer nothing moves;
@@ -52,12 +52,12 @@ class KernelOutputs {
 
   // Output `index` allocated now with `shape` and `type`, as a capsule viewing its buffer: what
   // torch writes there and returns as that output is written without a copy.
-  py::object Lend(size_t index, const std::vector<int64_t>& shape, int64_t type);
+  py::object Lend(size_t index, const Shape& shape, int64_t type);
 
  private:
   // Whether torch makes a copy of `bytes`: always off the CPU; on it, large ones.
   bool CopiedByTorch(size_t bytes) const;
-  void* Allocate(size_t index, const std::vector<int64_t>& shape, int64_t elem_type) {
+  void* Allocate(size_t index, const Shape& shape, int64_t elem_type) {
     return AllocateOutput(api_, context_, index, shape, elem_type, checked_.FirstAllocation(index));
   }
 

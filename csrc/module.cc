@@ -135,7 +135,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("_end_run", &ortbridge::EndRunScope, py::arg("failed"),
         "Closes this thread's run scope; returns the ids of the contexts the run left live that no "
         "context-id tensor holds (the caller releases those its outputs do not hold).");
-  m.def("_begin_saving", &ortbridge::BeginSaving, py::arg("borrowed"),
+  m.def(
+      "_begin_saving",
+      [](const std::vector<uintptr_t>& borrowed) {
+        ortbridge::BeginSaving(ortbridge::BorrowedBuffers(borrowed.begin(), borrowed.end()));
+      },
+      py::arg("borrowed"),
         "Until _end_saving, what a Function on this thread saves for backward from the buffers at these "
         "addresses is copied, anything else detached (torch's saved-tensor hooks).");
   m.def("_end_saving", &ortbridge::EndSaving);

@@ -123,20 +123,21 @@ bool CopyInputTypeShape(const OrtApi& api, OrtShapeInferContext* ctx, size_t inp
 
 std::string NodeName(const OrtApi&, const OrtKernelInfo* info) { return Ort::ConstKernelInfo(info).GetNodeName(); }
 
-bool GetInputTensor(const OrtApi&, OrtKernelContext* ctx, size_t index, TensorView* out) {
+bool GetInputTensor(const OrtApi& api, OrtKernelContext* ctx, size_t index, TensorView* out) {
   Ort::ConstValue value = Ort::KernelContext(ctx).GetInput(index);
   if (!value) return false;
   Ort::TensorTypeAndShapeInfo info = value.GetTensorTypeAndShapeInfo();
   out->elem_type = info.GetElementType();
-  out->shape = info.GetShape();
+  out->shape.resize(info.GetDimensionsCount());
+  ThrowOnError(api, api.GetDimensions(info, out->shape.data(), out->shape.size()));  // (into the shape's own room)
   // ORT hands inputs as const; the kernel only reads them.
   out->data = const_cast<void*>(value.GetTensorRawData());
   return true;
 }
 
-void* AllocateOutput(const OrtApi&, OrtKernelContext* ctx, size_t index, const std::vector<int64_t>& shape,
-                     int64_t elem_type, bool check) {
-  Ort::UnownedValue value = Ort::KernelContext(ctx).GetOutput(index, shape);
+void* AllocateOutput(const OrtApi&, OrtKernelContext* ctx, size_t index, const Shape& shape, int64_t elem_type,
+                     bool check) {
+  Ort::UnownedValue value = Ort::KernelContext(ctx).GetOutput(index, shape.data(), shape.size());
   if (!value) throw std::runtime_error("output " + std::to_string(index) + " has no value in the graph");
   if (!check) return value.GetTensorMutableRawData();
   Ort::TensorTypeAndShapeInfo info = value.GetTensorTypeAndShapeInfo();

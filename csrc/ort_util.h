@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "attributes.h"
+#include "small_vector.h"
 
 namespace ortbridge {
 
@@ -99,7 +100,7 @@ std::vector<DeclaredValue> DeclaredOutputs(const OrtApi& api, const OrtKernelInf
 // A tensor's element type (0: no tensor) and shape.
 struct TensorMeta {
   int64_t elem_type = 0;
-  std::vector<int64_t> shape;
+  Shape shape;
 };
 
 // A tensor input or output of the kernel as raw memory.
@@ -110,7 +111,7 @@ struct TensorView : TensorMeta {
 bool GetInputTensor(const OrtApi& api, OrtKernelContext* ctx, size_t index, TensorView* out);
 // Allocates output `index` with `shape` and returns its buffer; with `check`, after checking that
 // ORT gave it `elem_type` and room for every element (what the caller then writes).
-void* AllocateOutput(const OrtApi& api, OrtKernelContext* ctx, size_t index, const std::vector<int64_t>& shape,
+void* AllocateOutput(const OrtApi& api, OrtKernelContext* ctx, size_t index, const Shape& shape,
                      int64_t elem_type, bool check = true);
 
 // The outputs of one kernel whose allocation has been checked. One check per output suffices:

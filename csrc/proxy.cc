@@ -129,9 +129,9 @@ py::object CallWithGradMode(py::handle callable, const py::tuple& args, bool gra
   return py::reinterpret_steal<py::object>(returned);
 }
 
-std::vector<PyObject*> ReturnedItems(PyObject* returned) {
+ReturnedList ReturnedItems(PyObject* returned) {
   if (PyObject_TypeCheck(returned, Torch().tensor_type)) return {returned};
-  std::vector<PyObject*> items;
+  ReturnedList items;
   if (PyTuple_CheckExact(returned)) {
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(returned); ++i) items.push_back(PyTuple_GET_ITEM(returned, i));
   }

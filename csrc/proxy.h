@@ -10,6 +10,7 @@
 
 #include "ort_util.h"
 #include "pool.h"
+#include "small_vector.h"
 
 namespace ortbridge {
 
@@ -90,7 +91,8 @@ py::object CallWithGradMode(py::handle callable, const py::tuple& args, bool gra
 
 // What a Function's forward or backward returned, as a list of its items (borrowed): itself when
 // it is a tensor, the items of a tuple, nothing for anything else (which the runner's checks take).
-std::vector<PyObject*> ReturnedItems(PyObject* returned);
+using ReturnedList = SmallVector<PyObject*, 8>;
+ReturnedList ReturnedItems(PyObject* returned);
 
 // Whether `o` is a torch.Tensor on the CPU.
 bool IsCpuTensor(PyObject* o);

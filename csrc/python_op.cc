@@ -156,7 +156,7 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
     saving.reset();
 
     const size_t n = layout_.output_tensor_types.size();
-    const std::vector<PyObject*> items = ReturnedItems(outputs.ptr());
+    const ReturnedList items = ReturnedItems(outputs.ptr());
     auto unchanged = [&](py::handle t) { return t.attr(torch.version).cast<int64_t>() == 0; };
     if (items.size() != n || !std::all_of(items.begin(), items.end(), IsCpuTensor) ||
         !std::all_of(tensors.begin(), tensors.end(), unchanged)) {
@@ -172,7 +172,7 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
 
   // The autograd node of a training call, which is its context (None when no output needs a
   // gradient), as the runner's `result` finds it.
-  py::object Context(const std::vector<PyObject*>& outputs, const std::vector<TensorView>& inputs) const {
+  py::object Context(const ReturnedList& outputs, const std::vector<TensorView>& inputs) const {
     const TorchCalls& torch = Torch();
     for (PyObject* o : outputs) {
       py::object ctx = py::handle(o).attr(torch.grad_fn);
@@ -189,8 +189,8 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
   }
 
   // The buffers of ORT's inputs, which the call borrows.
-  static std::vector<uintptr_t> Borrowed(const std::vector<TensorView>& inputs) {
-    std::vector<uintptr_t> buffers;
+  static BorrowedBuffers Borrowed(const std::vector<TensorView>& inputs) {
+    BorrowedBuffers buffers;
     for (const TensorView& t : inputs) buffers.push_back(reinterpret_cast<uintptr_t>(t.data));
     return buffers;
   }

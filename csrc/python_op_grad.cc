@@ -164,7 +164,7 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
       PyTuple_SET_ITEM(args.ptr(), i + 1, Call(torch.from_dlpack, {capsules[i]}).release().ptr());
     }
     const py::object returned = CallWithGradMode(direct_, args, false);
-    const std::vector<PyObject*> values = ReturnedItems(returned.ptr());
+    const ReturnedList values = ReturnedItems(returned.ptr());
     const size_t n = layout_.output_tensor_types.size();
     if (values.size() != layout_.output_convention.size()) return runner_.attr("result")(returned);
     py::tuple gradients(n);

@@ -9,7 +9,7 @@
 namespace ortbridge {
 namespace {
 
-thread_local std::vector<std::vector<uintptr_t>> t_borrowed;  // per open scope, innermost last
+thread_local std::vector<BorrowedBuffers> t_borrowed;  // per open scope, innermost last
 
 struct Hooks {
   py::object pop, pack, unpack, kept_from_borrowed;
@@ -26,7 +26,7 @@ py::object Pack(py::handle t) {
   const Hooks& hooks = SavedTensorHooks();
   if (!t_borrowed.empty()) {
     const auto storage = t.attr(hooks.untyped_storage)().attr(hooks.data_ptr)().cast<uintptr_t>();
-    const std::vector<uintptr_t>& borrowed = t_borrowed.back();
+    const BorrowedBuffers& borrowed = t_borrowed.back();
     if (std::find(borrowed.begin(), borrowed.end(), storage) != borrowed.end()) return hooks.kept_from_borrowed(t);
   }
   return t.attr(hooks.detach)();
@@ -48,7 +48,7 @@ const Hooks& SavedTensorHooks() {  // (kept for the process's life: never destro
 
 }  // namespace
 
-void BeginSaving(std::vector<uintptr_t> borrowed) {
+void BeginSaving(BorrowedBuffers borrowed) {
   const Hooks& hooks = SavedTensorHooks();
   // (looked up per call, not kept: benchmarks/step_memory.py wraps it to see what is saved)
   Call(Runner().attr(hooks.push), {hooks.pack, hooks.unpack});
@@ -61,7 +61,7 @@ void EndSaving() {
   Call(SavedTensorHooks().pop);
 }
 
-SavingScope::SavingScope(std::vector<uintptr_t> borrowed) { BeginSaving(std::move(borrowed)); }
+SavingScope::SavingScope(BorrowedBuffers borrowed) { BeginSaving(std::move(borrowed)); }
 
 SavingScope::~SavingScope() {
   PyObject *type, *value, *trace;

@@ -9,18 +9,22 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
-#include <vector>
+
+#include "small_vector.h"
 
 namespace ortbridge {
 
 namespace py = pybind11;
+
+// The data pointers of a call's inputs.
+using BorrowedBuffers = SmallVector<uintptr_t, 8>;
 
 // For its lifetime, torch's saved-tensor hooks on this thread copy what is saved from the
 // buffers at `borrowed` (the inputs' data pointers). Scopes nest (a Function may run a session
 // itself); torch's hook stack is per thread, like ours. GIL held.
 class SavingScope {
  public:
-  explicit SavingScope(std::vector<uintptr_t> borrowed);
+  explicit SavingScope(BorrowedBuffers borrowed);
   SavingScope(const SavingScope&) = delete;
   SavingScope& operator=(const SavingScope&) = delete;
   ~SavingScope();  // may run while a Python error is being handled: it keeps that error intact
@@ -28,7 +32,7 @@ class SavingScope {
 
 // The Python face of SavingScope, for the runner's `run`: opens a scope over `borrowed`, closed
 // by EndSaving on the same thread. GIL held.
-void BeginSaving(std::vector<uintptr_t> borrowed);
+void BeginSaving(BorrowedBuffers borrowed);
 void EndSaving();
 
 }  // namespace ortbridge
