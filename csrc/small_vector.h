@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <iterator>
 #include <memory>
 #include <type_traits>
 
@@ -19,10 +20,10 @@ class SmallVector {
 
  public:
   SmallVector() = default;
-  SmallVector(size_t count, T value) { resize(count, value); }
-  template <class It, class = std::enable_if_t<!std::is_integral_v<It>>>  // (not (count, value))
+  template <class It>
   SmallVector(It first, It last) {
-    for (; first != last; ++first) push_back(*first);
+    reserve(static_cast<size_t>(std::distance(first, last)));
+    for (; first != last; ++first) data()[size_++] = *first;
   }
   SmallVector(std::initializer_list<T> items) : SmallVector(items.begin(), items.end()) {}
   SmallVector(const SmallVector& other) : SmallVector(other.begin(), other.end()) {}
@@ -51,20 +52,17 @@ class SmallVector {
   T* data() { return heap_ ? heap_.get() : inline_; }
   const T* data() const { return heap_ ? heap_.get() : inline_; }
   size_t size() const { return size_; }
-  bool empty() const { return size_ == 0; }
   T* begin() { return data(); }
   T* end() { return data() + size_; }
   const T* begin() const { return data(); }
   const T* end() const { return data() + size_; }
   T& operator[](size_t i) { return data()[i]; }
   const T& operator[](size_t i) const { return data()[i]; }
-  T& back() { return data()[size_ - 1]; }
 
   void push_back(T value) {
     if (size_ == capacity_) reserve(2 * capacity_);
     data()[size_++] = value;
   }
-  void pop_back() { --size_; }
   void resize(size_t count, T value = T()) {
     reserve(count);
     std::fill(data() + std::min(size_, count), data() + count, value);
