@@ -43,7 +43,7 @@ TensorView ReadInput(const OrtApi& api, OrtKernelContext* context, size_t index,
   return t;
 }
 
-py::tuple BorrowInputs(const std::vector<TensorView>& inputs, dl::Device device) {
+py::tuple BorrowInputs(const TensorViews& inputs, dl::Device device) {
   py::tuple capsules(inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
     const TensorView& t = inputs[i];

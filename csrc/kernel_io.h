@@ -21,7 +21,7 @@ TensorView ReadInput(const OrtApi& api, OrtKernelContext* context, size_t index,
 uint64_t SkippedOutputCopies();
 
 // A tuple of capsules viewing the inputs, on `device` (None for an empty view, elem_type 0). GIL held.
-py::tuple BorrowInputs(const std::vector<TensorView>& inputs, dl::Device device);
+py::tuple BorrowInputs(const TensorViews& inputs, dl::Device device);
 
 // The outputs of one kernel call, written where the kernel's placement says: by the kernel (host
 // memory) or by torch through the runner, on the current stream (device memory; a StreamScope

@@ -107,6 +107,8 @@ struct TensorMeta {
 struct TensorView : TensorMeta {
   void* data = nullptr;
 };
+// A call's inputs, outputs or gradients.
+using TensorViews = SmallVector<TensorView, 4>;
 // Returns false when the (optional) input is absent.
 bool GetInputTensor(const OrtApi& api, OrtKernelContext* ctx, size_t index, TensorView* out);
 // Allocates output `index` with `shape` and returns its buffer; with `check`, after checking that

@@ -18,12 +18,13 @@ namespace py = pybind11;
 
 // What a training-mode forward keeps for its backward: the autograd context (None when no output
 // needed a gradient), the Function that made it (only its backward may take it), and the types
-// and shapes of that call's tensor inputs and outputs.
+// and shapes of that call's tensor inputs and outputs (in place for up to two of each: the pool
+// entry is then the context's one allocation).
 struct SavedContext {
   py::object ctx;
   const PyObject* function = nullptr;
-  std::vector<TensorMeta> inputs;
-  std::vector<TensorMeta> outputs;
+  SmallVector<TensorMeta, 2> inputs;
+  SmallVector<TensorMeta, 2> outputs;
 };
 
 using PythonContextPool = ContextPool<SavedContext>;

@@ -36,7 +36,7 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
   OrtStatus* Compute(OrtKernelContext* context) {
     return Guarded(api_, error_prefix_, [&] {
       RequirePython();
-      std::vector<TensorView> inputs;
+      TensorViews inputs;
       inputs.reserve(layout_.input_tensor_types.size());
       for (size_t i = 0; i < layout_.input_tensor_types.size(); ++i) {
         inputs.push_back(ReadInput(api_, context, i, layout_.input_tensor_types[i], layout_.input_tensor_ranks[i]));
@@ -62,7 +62,8 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
         }
         // Output 1 may share input 0's buffer (MayInplace): write it last, after any other output
         // that still reads from that input.
-        std::vector<TensorView> outputs(n);
+        TensorViews outputs;
+        outputs.resize(n);
         for (size_t i = n; i-- > 0;) {
           outputs[i] = writer.Write(i + 1, result[i + 1].ptr(), layout_.output_tensor_types[i],
                                     layout_.output_tensor_ranks[i], "output");
@@ -112,11 +113,12 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
 
   // A Function may write only into an input that the node declares updated in place (which then
   // views its output's buffer); any other input's buffer other nodes could read.
-  static void CheckInPlaceWrites(const std::vector<TensorView>& inputs, const std::vector<TensorView>& outputs,
+  static void CheckInPlaceWrites(const TensorViews& inputs, const TensorViews& outputs,
                                  py::handle modified) {
     for (py::handle index : modified) {
       const size_t i = index.cast<size_t>();
-      const void* buffer = inputs.at(i).data;
+      if (i >= inputs.size()) throw std::logic_error("the runner named an input the node does not have");
+      const void* buffer = inputs[i].data;
       if (std::none_of(outputs.begin(), outputs.end(), [&](const TensorView& o) { return o.data == buffer; })) {
         throw std::runtime_error(
             "the Function modified input " + std::to_string(i) +
@@ -131,7 +133,7 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
   // Function.apply in `run` costs about as much as the kernel's own work. Anything but plain CPU
   // tensors out and unchanged inputs goes on to the runner's `result`, which checks and errors as
   // `run` does. GIL held.
-  py::tuple CallDirect(const std::vector<TensorView>& inputs) {
+  py::tuple CallDirect(const TensorViews& inputs) {
     const TorchCalls& torch = Torch();
     if (torch.functorch_active().ptr() == Py_True) return run_(BorrowInputs(inputs, placement_.device));
     const py::tuple capsules = BorrowInputs(inputs, placement_.device);
@@ -172,7 +174,7 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
 
   // The autograd node of a training call, which is its context (None when no output needs a
   // gradient), as the runner's `result` finds it.
-  py::object Context(const ReturnedList& outputs, const std::vector<TensorView>& inputs) const {
+  py::object Context(const ReturnedList& outputs, const TensorViews& inputs) const {
     const TorchCalls& torch = Torch();
     for (PyObject* o : outputs) {
       py::object ctx = py::handle(o).attr(torch.grad_fn);
@@ -189,12 +191,12 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
   }
 
   // The buffers of ORT's inputs, which the call borrows.
-  static BorrowedBuffers Borrowed(const std::vector<TensorView>& inputs) {
+  static BorrowedBuffers Borrowed(const TensorViews& inputs) {
     BorrowedBuffers buffers;
     for (const TensorView& t : inputs) buffers.push_back(reinterpret_cast<uintptr_t>(t.data));
     return buffers;
   }
-  static py::set BorrowedSet(const std::vector<TensorView>& inputs) {
+  static py::set BorrowedSet(const TensorViews& inputs) {
     py::set buffers;
     for (uintptr_t b : Borrowed(inputs)) buffers.add(py::int_(b));
     return buffers;

@@ -46,7 +46,8 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
                                  " is not a live context of this Function: its backward already ran, it was "
                                  "released, its PythonOp ran with training_mode=0, or another Function made it");
       }
-      std::vector<TensorView> grads(layout_.input_tensor_types.size());  // absent gradients stay empty
+      TensorViews grads;  // absent gradients stay empty
+      grads.resize(layout_.input_tensor_types.size());
       for (size_t k = 0; k < layout_.grad_input_slots.size(); ++k) {
         size_t slot = layout_.grad_input_slots[k];
         grads[slot] = ReadInput(api_, context, k + 1, layout_.input_tensor_types[slot], layout_.input_tensor_ranks[slot]);
@@ -155,7 +156,7 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
   // The runner's `run` for a context and every gradient present, made here where
   // BackwardNode.direct allows it; anything but plain CPU tensors or None in the gradients'
   // positions goes on to the runner's `result`, which checks and errors as `run` does. GIL held.
-  py::tuple CallDirect(const py::object& ctx, const std::vector<TensorView>& grads) {
+  py::tuple CallDirect(const py::object& ctx, const TensorViews& grads) {
     const TorchCalls& torch = Torch();
     const py::tuple capsules = BorrowInputs(grads, placement_.device);
     py::tuple args(capsules.size() + 1);

@@ -1,7 +1,9 @@
 // A vector that keeps its first N elements in place, for the shapes and short lists of one kernel
 // call: each std::vector there cost a malloc and a free, about a dozen a call, and glibc's
 // allocator was the largest part of a call's cost over Function.apply (benchmarks/overhead.py).
-// Trivially copyable elements only; past N they move to the heap.
+// Past N the elements move to the heap. All N in-place elements are constructed with the vector,
+// and those past size() stay constructed (holding whatever they held) until it dies: elements
+// must be cheap to default-construct (a shape, a tensor's view of a buffer), not owners of much.
 #pragma once
 
 #include <algorithm>
@@ -10,14 +12,12 @@
 #include <initializer_list>
 #include <iterator>
 #include <memory>
-#include <type_traits>
+#include <utility>
 
 namespace ortbridge {
 
 template <class T, size_t N>
 class SmallVector {
-  static_assert(std::is_trivially_copyable_v<T>, "SmallVector copies its elements as bytes");
-
  public:
   SmallVector() = default;
   template <class It>
@@ -42,7 +42,7 @@ class SmallVector {
       heap_ = std::move(other.heap_);
       capacity_ = other.capacity_;
       size_ = other.size_;
-      if (!heap_) std::copy(other.inline_, other.inline_ + size_, inline_);
+      if (!heap_) std::move(other.inline_, other.inline_ + size_, inline_);
       other.capacity_ = N;
       other.size_ = 0;
     }
@@ -61,7 +61,7 @@ class SmallVector {
 
   void push_back(T value) {
     if (size_ == capacity_) reserve(2 * capacity_);
-    data()[size_++] = value;
+    data()[size_++] = std::move(value);
   }
   void resize(size_t count, T value = T()) {
     reserve(count);
@@ -71,7 +71,7 @@ class SmallVector {
   void reserve(size_t capacity) {
     if (capacity <= capacity_) return;
     std::unique_ptr<T[]> grown(new T[capacity]);
-    std::copy(begin(), end(), grown.get());
+    std::move(begin(), end(), grown.get());
     heap_ = std::move(grown);
     capacity_ = capacity;
   }

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -65,6 +66,30 @@ TEST(SmallVector, ComparesByElements) {
   EXPECT_TRUE((Small{1, 2}) != (Small{1, 2, 3}));
   EXPECT_TRUE((Small{1, 2, 3, 4}) != (Small{1, 2, 3, 5}));
   EXPECT_TRUE(Small() == Small());
+}
+
+// Elements that own memory (as a TensorView's shape may): moved, not copied as bytes, when the
+// vector grows or moves, and each copy owning its own.
+TEST(SmallVector, KeepsElementsThatOwnMemory) {
+  using Names = SmallVector<std::string, 2>;
+  const std::string longer(64, 'x');  // (past std::string's own in-place room)
+  Names v;
+  for (int i = 0; i < 5; ++i) v.push_back(longer + std::to_string(i));  // in place, then on the heap
+  ASSERT_EQ(v.size(), 5u);
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(v[i], longer + std::to_string(i));
+  Names copy = v;
+  copy[0] += "!";
+  EXPECT_EQ(v[0], longer + "0");
+  Names moved = std::move(copy);
+  EXPECT_EQ(moved[0], longer + "0!");
+  EXPECT_EQ(copy.size(), 0u);
+
+  Names small{"a", "b"};  // moved while in place
+  Names target{"c", "d", "e"};
+  target = std::move(small);
+  EXPECT_EQ(target.size(), 2u);
+  EXPECT_EQ(target[0], "a");
+  EXPECT_EQ(target[1], "b");
 }
 
 }  // namespace
