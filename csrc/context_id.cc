@@ -53,6 +53,7 @@ PyObject* NewContextIdsCapsule(std::vector<int64_t> ids) {
     std::lock_guard<std::mutex> lock(g_holders_mutex);
     g_holders.insert(holder);
   }
+  HeldFromNowOn(holder->ids);
   return NewOwningCapsule(&holder->managed);
 }
 

@@ -123,13 +123,31 @@ bool CopyInputTypeShape(const OrtApi& api, OrtShapeInferContext* ctx, size_t inp
 
 std::string NodeName(const OrtApi&, const OrtKernelInfo* info) { return Ort::ConstKernelInfo(info).GetNodeName(); }
 
+namespace {
+ShapeReferenceFn g_shape_reference = nullptr;
+}
+
+void InitShapeReference(const OrtApiBase* base) {
+  const OrtApi* api = base->GetApi(kShapeReferenceApiVersion);
+  if (api) g_shape_reference = reinterpret_cast<const ShapeReferenceFn*>(api)[kShapeReferenceIndex];
+}
+
 bool GetInputTensor(const OrtApi& api, OrtKernelContext* ctx, size_t index, TensorView* out) {
   Ort::ConstValue value = Ort::KernelContext(ctx).GetInput(index);
   if (!value) return false;
-  Ort::TensorTypeAndShapeInfo info = value.GetTensorTypeAndShapeInfo();
-  out->elem_type = info.GetElementType();
-  out->shape.resize(info.GetDimensionsCount());
-  ThrowOnError(api, api.GetDimensions(info, out->shape.data(), out->shape.size()));  // (into the shape's own room)
+  if (g_shape_reference) {
+    ONNXTensorElementDataType type;
+    const int64_t* dims = nullptr;
+    size_t rank = 0;
+    ThrowOnError(api, g_shape_reference(value, &type, &dims, &rank));
+    out->elem_type = type;
+    out->shape = Shape(dims, dims + rank);
+  } else {
+    Ort::TensorTypeAndShapeInfo info = value.GetTensorTypeAndShapeInfo();
+    out->elem_type = info.GetElementType();
+    out->shape.resize(info.GetDimensionsCount());
+    ThrowOnError(api, api.GetDimensions(info, out->shape.data(), out->shape.size()));  // (into the shape's own room)
+  }
   // ORT hands inputs as const; the kernel only reads them.
   out->data = const_cast<void*>(value.GetTensorRawData());
   return true;

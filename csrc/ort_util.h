@@ -6,6 +6,7 @@
 #include <onnxruntime_c_api.h>
 
 #include <atomic>
+#include <cstddef>
 #include <cstdio>
 #include <stdexcept>
 #include <string>
@@ -23,6 +24,20 @@ constexpr uint32_t kCustomOpVersion = 18;
 // The oldest ORT release the kernels work on: 1.18 loads them, but its graphs ignore the types
 // their shape inference sets, so every PythonOp output fails type inference.
 constexpr int kMinOrtMinorVersion = 19;
+
+// OrtApi::GetTensorElementTypeAndShapeDataReference (API 24, ORT 1.24): a tensor's type and a view
+// of its shape, where GetTensorTypeAndShape allocates an info object and its dims per call. ORT's
+// API table only grows, each version appending to it, so the entry has this index from 24 on;
+// the header the library builds with may be older (the compiler checks the index where it is not).
+using ShapeReferenceFn = OrtStatus*(ORT_API_CALL*)(const OrtValue*, ONNXTensorElementDataType*, const int64_t**,
+                                                  size_t*);
+constexpr uint32_t kShapeReferenceApiVersion = 24;
+constexpr size_t kShapeReferenceIndex = 414;
+#if ORT_API_VERSION >= 24
+static_assert(offsetof(OrtApi, GetTensorElementTypeAndShapeDataReference) == kShapeReferenceIndex * sizeof(void*));
+#endif
+// Looks the entry up once, at registration: null where ORT is older than 1.24.
+void InitShapeReference(const OrtApiBase* base);
 
 // Whether an ORT version string ("1.19.2") names a release the kernels work on.
 inline bool IsSupportedOrtVersion(const char* version) {

@@ -1,6 +1,8 @@
 #include "proxy.h"
 
+#include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <optional>
 #include <stdexcept>
 #include <vector>
@@ -8,16 +10,11 @@
 #include <pybind11/gil_safe_call_once.h>
 
 #include "context_id.h"
+#include "saved_tensors.h"
 
 namespace ortbridge {
 namespace {
 std::atomic<bool> g_shutdown{false};
-// One open session run on this thread (see BeginRunScope).
-struct RunScope {
-  std::vector<int64_t> ids;            // the contexts its kernels made
-  int kernel_depth = 0;                // the kernel calls open on this thread when it began
-  std::optional<bool> grad_mode;       // torch's grad mode at its start, once a kernel changed it
-};
 thread_local std::vector<RunScope> t_run_scopes;  // innermost last
 thread_local int t_kernel_depth = 0;             // kernel calls holding a KernelGil on this thread
 
@@ -35,10 +32,24 @@ int64_t AddContext(SavedContext saved) {
   return id;
 }
 
-void BeginRunScope() { t_run_scopes.push_back({{}, t_kernel_depth, std::nullopt}); }
+void BeginRunScope() { t_run_scopes.push_back({{}, t_kernel_depth, std::nullopt, false}); }
+
+void HeldFromNowOn(const std::vector<int64_t>& ids) {
+  if (t_run_scopes.empty()) return;
+  std::vector<int64_t>& made = t_run_scopes.back().ids;
+  if (ids.size() <= made.size() && std::equal(ids.begin(), ids.end(), made.begin())) {
+    made.erase(made.begin(), made.begin() + static_cast<std::ptrdiff_t>(ids.size()));
+  }
+}
+
+RunScope* DirectRunScope() {
+  if (t_run_scopes.empty() || t_run_scopes.back().kernel_depth + 1 != t_kernel_depth) return nullptr;
+  return &t_run_scopes.back();
+}
 
 std::vector<int64_t> EndRunScope(bool failed) {
   if (t_run_scopes.empty()) return {};
+  CloseOpenSaving(&t_run_scopes.back());
   RunScope scope = std::move(t_run_scopes.back());
   t_run_scopes.pop_back();
   if (scope.grad_mode) SetGradMode(*scope.grad_mode);
@@ -56,9 +67,10 @@ std::vector<int64_t> EndRunScope(bool failed) {
   return unheld;
 }
 
-KernelGil::KernelGil() {
+KernelGil::KernelGil(bool keeps_saving_hooks) {
   new (&storage_) py::gil_scoped_acquire();
   ++t_kernel_depth;
+  if (!keeps_saving_hooks) CloseOpenSaving(DirectRunScope());
 }
 
 KernelGil::~KernelGil() {
@@ -93,7 +105,7 @@ const TorchCalls& Torch() {
         calls.tensor_type = reinterpret_cast<PyTypeObject*>(runner.attr("torch").attr("Tensor").ptr());
         calls.is_cpu = py::str("is_cpu");
         calls.version = py::str("_version");
-        calls.requires_grad_ = py::str("requires_grad_");
+        calls.requires_grad = py::str("requires_grad");
         calls.grad_fn = py::str("grad_fn");
         return calls;
       })
@@ -114,8 +126,7 @@ py::object CallWithGradMode(py::handle callable, const py::tuple& args, bool gra
   // kernel, and the scope puts back the caller's: a graph of inference nodes switches once a run,
   // not twice a node. Elsewhere (no scope; a session run by a Function, inside another call) the
   // mode is restored after the call.
-  RunScope* scope = t_run_scopes.empty() ? nullptr : &t_run_scopes.back();
-  if (scope && scope->kernel_depth + 1 != t_kernel_depth) scope = nullptr;
+  RunScope* scope = DirectRunScope();
   const bool switched = was_enabled != grad_enabled;
   if (switched) {
     if (scope && !scope->grad_mode) scope->grad_mode = was_enabled;

@@ -6,7 +6,9 @@
 
 #include <initializer_list>
 #include <new>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "ort_util.h"
 #include "pool.h"
@@ -39,9 +41,27 @@ int64_t AddContext(SavedContext saved);
 // still live and not held by a context-id tensor, which the caller keeps only if the run's outputs
 // hold them. Scopes nest, as a Function may run a session itself. Contexts created on other
 // threads (ORT's parallel executor) are not covered. A scope's end also puts back torch's grad
-// mode as it was at its start (see CallWithGradMode).
+// mode as it was at its start (see CallWithGradMode) and pops the saved-tensor hooks its training
+// forwards left pushed (see SavingScope).
 void BeginRunScope();
 std::vector<int64_t> EndRunScope(bool failed);
+
+// Ids that a context-id tensor now holds (NewContextIdsCapsule) need no check at the end of the
+// innermost run scope: they leave its list when they are the first it made, as a forward graph's
+// saved contexts are (training/graph.py), at no cost per id. (Any others stay listed; the end
+// checks them as before.)
+void HeldFromNowOn(const std::vector<int64_t>& ids);
+
+struct RunScope {
+  std::vector<int64_t> ids;       // the contexts its kernels made
+  int kernel_depth = 0;           // the kernel calls open on this thread when it began
+  std::optional<bool> grad_mode;  // torch's grad mode at its start, once a kernel changed it
+  bool saving_open = false;       // a training forward left torch's saved-tensor hooks pushed (SavingScope)
+};
+
+// The innermost run scope on this thread when the kernel now running is one that the scope's
+// session called directly; null otherwise (no scope, or a kernel inside a Function's call).
+RunScope* DirectRunScope();
 
 // Holds the GIL for a kernel call, as py::gil_scoped_acquire does, except when the call is being
 // unwound because CPython is ending this (daemon) thread at interpreter exit: CPython has freed
@@ -49,7 +69,9 @@ std::vector<int64_t> EndRunScope(bool failed);
 // process is exiting; the state is left as it is.
 class KernelGil {
  public:
-  KernelGil();  // (also counts the kernel calls open on this thread: see CallWithGradMode)
+  // (Also counts the kernel calls open on this thread: see DirectRunScope.) A kernel that keeps
+  // saved-tensor hooks left pushed is a direct training forward; any other pops them (SavingScope).
+  explicit KernelGil(bool keeps_saving_hooks = false);
   KernelGil(const KernelGil&) = delete;
   KernelGil& operator=(const KernelGil&) = delete;
   ~KernelGil();
@@ -77,7 +99,7 @@ py::module_ Runner();
 struct TorchCalls {
   py::object from_dlpack, to_dlpack, is_grad_enabled, set_grad_enabled, functorch_active;
   PyTypeObject* tensor_type = nullptr;
-  py::str is_cpu, version, requires_grad_, grad_fn;
+  py::str is_cpu, version, requires_grad, grad_fn;
 };
 const TorchCalls& Torch();
 

@@ -41,7 +41,7 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
       for (size_t i = 0; i < layout_.input_tensor_types.size(); ++i) {
         inputs.push_back(ReadInput(api_, context, i, layout_.input_tensor_types[i], layout_.input_tensor_ranks[i]));
       }
-      KernelGil gil;
+      KernelGil gil(layout_.training_mode && direct_.call);  // (a direct training call keeps them: CallDirect)
       try {
         StreamScope stream(api_, context, placement_, runner_);
         KernelOutputs writer(api_, context, placement_, runner_, *checked_outputs_);
@@ -142,7 +142,10 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
     const bool training = layout_.training_mode;
     if (training) {
       for (size_t i = 0; i < inputs.size(); ++i) {
-        if (layout_.requires_grad[i]) Call(tensors[i].attr(torch.requires_grad_));
+        // (the attribute's setter: requires_grad_() parses its arguments)
+        if (layout_.requires_grad[i] && PyObject_SetAttr(tensors[i].ptr(), torch.requires_grad.ptr(), Py_True) != 0) {
+          throw py::error_already_set();
+        }
       }
     }
     const size_t argument_count = PyTuple_GET_SIZE(direct_.args.ptr());
@@ -153,7 +156,7 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
       PyTuple_SET_ITEM(args.ptr(), i, py::handle(arg).inc_ref().ptr());
     }
     std::optional<SavingScope> saving;
-    if (training) saving.emplace(Borrowed(inputs));
+    if (training) saving.emplace(Borrowed(inputs), /*stays_open=*/true);
     const py::object outputs = CallWithGradMode(direct_.call, args, training);
     saving.reset();
 
@@ -162,6 +165,7 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
     auto unchanged = [&](py::handle t) { return t.attr(torch.version).cast<int64_t>() == 0; };
     if (items.size() != n || !std::all_of(items.begin(), items.end(), IsCpuTensor) ||
         !std::all_of(tensors.begin(), tensors.end(), unchanged)) {
+      CloseOpenSaving(DirectRunScope());  // (the runner's Python runs without them, as in `run`)
       return runner_.attr("result")(outputs, tensors, training ? py::object(BorrowedSet(inputs)) : py::none());
     }
     py::tuple result(n + 1);

@@ -83,6 +83,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   std::call_once(once, [&] {
     g_api = api;
     Ort::InitApi(api);
+    InitShapeReference(api_base);
   });
   const Domain& kernels = DomainFor(*api, options);
   if (kernels.error) return api->CreateStatus(ORT_FAIL, api->GetErrorMessage(kernels.error));

@@ -61,9 +61,19 @@ void EndSaving() {
   Call(SavedTensorHooks().pop);
 }
 
-SavingScope::SavingScope(BorrowedBuffers borrowed) { BeginSaving(std::move(borrowed)); }
+SavingScope::SavingScope(BorrowedBuffers borrowed, bool stays_open) {
+  RunScope* scope = stays_open ? DirectRunScope() : nullptr;
+  if (scope && scope->saving_open) {
+    t_borrowed.back() = std::move(borrowed);
+  } else {
+    BeginSaving(std::move(borrowed));
+    if (scope) scope->saving_open = true;
+  }
+  stays_open_ = scope != nullptr;
+}
 
-SavingScope::~SavingScope() {
+namespace {
+void EndSavingKeepingError() noexcept {
   PyObject *type, *value, *trace;
   PyErr_Fetch(&type, &value, &trace);  // (a pending error would make the pop fail)
   try {
@@ -72,6 +82,17 @@ SavingScope::~SavingScope() {
     // torch's pop only fails when the stack is empty, which this scope's push rules out
   }
   PyErr_Restore(type, value, trace);
+}
+}  // namespace
+
+SavingScope::~SavingScope() {
+  if (!stays_open_) EndSavingKeepingError();
+}
+
+void CloseOpenSaving(RunScope* scope) noexcept {
+  if (!scope || !scope->saving_open) return;
+  scope->saving_open = false;
+  EndSavingKeepingError();
 }
 
 }  // namespace ortbridge

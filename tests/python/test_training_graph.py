@@ -7,7 +7,7 @@ from onnx import TensorProto as TP
 
 import ortbridge
 from ortbridge import _runner
-from conftest import NewStyle, T, model, python_op, python_op_grad, session, value
+from conftest import DEVICE_PATH, NewStyle, T, model, python_op, python_op_grad, session, value
 
 
 @ortbridge.register
@@ -143,6 +143,70 @@ def test_tensors_kept_for_backward_are_copies_of_ort_buffers():
     z, gr = sess.run(None, {"x": x, "g": np.ones(4, np.float32)})
     np.testing.assert_allclose(z, -np.exp(x), rtol=1e-6)
     np.testing.assert_allclose(gr, np.exp(x), rtol=1e-6)
+
+
+def _saved_tensor_hooks_pushed() -> bool:
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+@ortbridge.register
+class SavesExp(torch.autograd.Function):
+    """exp(x), saving x; notes in `seen` whether saved-tensor hooks were pushed in each call."""
+    seen: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        SavesExp.seen.append(("training forward" if x.requires_grad else "forward", _saved_tensor_hooks_pushed()))
+        if x.min() > 100:
+            raise ValueError("an input above 100")
+        ctx.save_for_backward(x)
+        return x.exp()
+
+    @staticmethod
+    def backward(ctx, g):
+        SavesExp.seen.append(("backward", _saved_tensor_hooks_pushed()))
+        (x,) = ctx.saved_tensors
+        return g * x.exp()
+
+
+def test_saved_tensor_hooks_are_only_pushed_in_training_forwards():
+    # The training forwards of a run share one push of the kernel's saved-tensor hooks, each
+    # pointing them at its own input buffers (intermediates ORT reuses: a saved tensor kept as a
+    # view of one would give a wrong gradient). Other kernels' Functions run without them, and
+    # no run leaves them pushed, however it ends.
+    from onnx import helper
+    fw = [python_op(SavesExp, [T(f"r{i}", requires_grad=True)], [(TP.FLOAT, 1)], out_names=[f"y{i}"],
+                    ctx_name=f"c{i}", training=True, name=f"fw{i}") for i in (1, 2, 3)]
+    between = python_op(SavesExp, [T("y2")], [(TP.FLOAT, 1)], out_names=["m"], ctx_name="", name="inference")
+    bw = [python_op_grad(SavesExp, "d", [(f"h{i}", TP.FLOAT, 1)], [(f"gr{i}", TP.FLOAT, 1)], ctx_name=f"c{i}",
+                         name=f"bw{i}") for i in (3, 2, 1)]
+    relu = [helper.make_node("Relu", [a], [b]) for a, b in (("x", "r1"), ("y1", "r2"), ("m", "r3"))]
+    # h_i = g_i + (y3 - y3): the backwards run after the last forward
+    after = [helper.make_node("Sub", ["y3", "y3"], ["zero"])]
+    after += [helper.make_node("Add", [f"g{i}", "zero"], [f"h{i}"]) for i in (1, 2, 3)]
+    nodes = [relu[0], fw[0], relu[1], fw[1], between, relu[2], fw[2], *after, *bw]
+    inputs = [value(n, shape=[4]) for n in ("x", "g1", "g2", "g3")]
+    sess = session(model(nodes, inputs, [value("y3"), value("gr1"), value("gr2"), value("gr3")]))
+    x = np.linspace(-1, 0.2, 4, dtype=np.float32)
+    gs = [np.full(4, k, np.float32) for k in (1, 2, 3)]
+    SavesExp.seen.clear()
+    y3, *grads = sess.run(None, {"x": x, "g1": gs[0], "g2": gs[1], "g3": gs[2]})
+    assert not _saved_tensor_hooks_pushed()
+    r1 = np.maximum(x, 0)
+    r2 = np.exp(r1)
+    r3 = np.exp(np.exp(r2))
+    np.testing.assert_allclose(y3, np.exp(r3), rtol=1e-4)
+    for grad, g, r in zip(grads, gs, (r1, r2, r3)):
+        np.testing.assert_allclose(grad, g * np.exp(r), rtol=1e-4)
+    if not DEVICE_PATH:  # (the device path's calls go through the runner's `run`, which pushes its own)
+        assert SavesExp.seen == [("training forward", True)] * 2 + [("forward", False), ("training forward", True)] + \
+            [("backward", False)] * 3
+    assert ortbridge.context_pool_size() == 0
+
+    with pytest.raises(Exception, match="an input above 100"):  # (fw2's, exp(5): raised with the hooks left pushed)
+        sess.run(None, {"x": np.full(4, 5, np.float32), "g1": gs[0], "g2": gs[1], "g3": gs[2]})
+    assert not _saved_tensor_hooks_pushed()
+    assert ortbridge.context_pool_size() == 0
 
 
 @ortbridge.register
