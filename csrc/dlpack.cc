@@ -40,6 +40,11 @@ void CapsuleDestructor(PyObject* capsule) {
 
 }  // namespace
 
+bool IsHostCapsule(PyObject* capsule) {
+  auto* managed = static_cast<dl::ManagedTensor*>(PyCapsule_GetPointer(capsule, kCapsuleName));
+  return managed && managed->dl_tensor.device.device_type == dl::kCPU;
+}
+
 bool ToDLDataType(int64_t onnx_type, dl::DataType* out) {
   const ElementType* t = FindElementType(onnx_type);
   if (t) *out = {t->dlpack_code, t->bits, 1};

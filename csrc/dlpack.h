@@ -53,6 +53,9 @@ PyObject* BorrowAsCapsule(void* data, int64_t onnx_type, const int64_t* shape, s
 // does when nobody consumed it (also when creating the capsule fails).
 PyObject* NewOwningCapsule(dl::ManagedTensor* managed);
 
+// Whether a "dltensor" capsule holds a tensor in host memory (DLPack's CPU device).
+bool IsHostCapsule(PyObject* capsule);
+
 // A tensor handed over by Python: owns the DLPack producer's memory until destroyed.
 class ImportedTensor {
  public:

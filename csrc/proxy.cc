@@ -10,6 +10,7 @@
 #include <pybind11/gil_safe_call_once.h>
 
 #include "context_id.h"
+#include "dlpack.h"
 #include "saved_tensors.h"
 
 namespace ortbridge {
@@ -103,7 +104,6 @@ const TorchCalls& Torch() {
         calls.set_grad_enabled = runner.attr("_set_grad_enabled");
         calls.functorch_active = runner.attr("_functorch_active");
         calls.tensor_type = reinterpret_cast<PyTypeObject*>(runner.attr("torch").attr("Tensor").ptr());
-        calls.is_cpu = py::str("is_cpu");
         calls.version = py::str("_version");
         calls.requires_grad = py::str("requires_grad");
         calls.grad_fn = py::str("grad_fn");
@@ -149,9 +149,16 @@ ReturnedList ReturnedItems(PyObject* returned) {
   return items;
 }
 
-bool IsCpuTensor(PyObject* o) {
+py::object ExportCpuTensor(PyObject* o) {
   const TorchCalls& torch = Torch();
-  return PyObject_TypeCheck(o, torch.tensor_type) && py::handle(o).attr(torch.is_cpu).ptr() == Py_True;
+  if (!PyObject_TypeCheck(o, torch.tensor_type)) return {};
+  PyObject* capsule = PyObject_Vectorcall(torch.to_dlpack.ptr(), &o, 1, nullptr);
+  if (!capsule || !IsHostCapsule(capsule)) {
+    PyErr_Clear();  // (torch refused it: a sparse or meta tensor; the runner's checks say so)
+    Py_XDECREF(capsule);
+    return {};
+  }
+  return py::reinterpret_steal<py::object>(capsule);
 }
 
 std::string FormatPythonError(const py::error_already_set& error) {

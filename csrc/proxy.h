@@ -99,7 +99,7 @@ py::module_ Runner();
 struct TorchCalls {
   py::object from_dlpack, to_dlpack, is_grad_enabled, set_grad_enabled, functorch_active;
   PyTypeObject* tensor_type = nullptr;
-  py::str is_cpu, version, requires_grad, grad_fn;
+  py::str version, requires_grad, grad_fn;
 };
 const TorchCalls& Torch();
 
@@ -117,8 +117,10 @@ py::object CallWithGradMode(py::handle callable, const py::tuple& args, bool gra
 using ReturnedList = SmallVector<PyObject*, 8>;
 ReturnedList ReturnedItems(PyObject* returned);
 
-// Whether `o` is a torch.Tensor on the CPU.
-bool IsCpuTensor(PyObject* o);
+// `o` as a DLPack capsule, where it is a torch.Tensor on the CPU that torch exports; null
+// otherwise (no Python error left set). (The capsule's device, not the tensor's `is_cpu`: one
+// attribute read less a call.)
+py::object ExportCpuTensor(PyObject* o);
 
 // "ExceptionType: message" followed by the Python traceback.
 std::string FormatPythonError(const py::error_already_set& error);

@@ -163,16 +163,18 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
     const size_t n = layout_.output_tensor_types.size();
     const ReturnedList items = ReturnedItems(outputs.ptr());
     auto unchanged = [&](py::handle t) { return t.attr(torch.version).cast<int64_t>() == 0; };
-    if (items.size() != n || !std::all_of(items.begin(), items.end(), IsCpuTensor) ||
-        !std::all_of(tensors.begin(), tensors.end(), unchanged)) {
+    auto by_the_runner = [&] {
       CloseOpenSaving(DirectRunScope());  // (the runner's Python runs without them, as in `run`)
       return runner_.attr("result")(outputs, tensors, training ? py::object(BorrowedSet(inputs)) : py::none());
-    }
+    };
+    if (items.size() != n || !std::all_of(tensors.begin(), tensors.end(), unchanged)) return by_the_runner();
     py::tuple result(n + 1);
-    PyTuple_SET_ITEM(result.ptr(), 0, (training ? Context(items, inputs) : py::none()).release().ptr());
     for (size_t i = 0; i < n; ++i) {
-      PyTuple_SET_ITEM(result.ptr(), i + 1, Call(torch.to_dlpack, {items[i]}).release().ptr());
+      py::object exported = ExportCpuTensor(items[i]);
+      if (!exported) return by_the_runner();
+      PyTuple_SET_ITEM(result.ptr(), i + 1, exported.release().ptr());
     }
+    PyTuple_SET_ITEM(result.ptr(), 0, (training ? Context(items, inputs) : py::none()).release().ptr());
     return result;
   }
 

@@ -171,8 +171,8 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
     py::tuple gradients(n);
     for (size_t i = 0; i < n; ++i) {
       PyObject* g = layout_.output_requires_grad[i] ? values[layout_.output_positions[i]] : Py_None;
-      if (g != Py_None && !IsCpuTensor(g)) return runner_.attr("result")(returned);
-      py::object exported = g == Py_None ? py::none() : Call(torch.to_dlpack, {g});
+      py::object exported = g == Py_None ? py::none() : ExportCpuTensor(g);
+      if (!exported) return runner_.attr("result")(returned);
       PyTuple_SET_ITEM(gradients.ptr(), i, exported.release().ptr());
     }
     return gradients;
