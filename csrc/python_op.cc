@@ -156,7 +156,7 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
       PyTuple_SET_ITEM(args.ptr(), i, py::handle(arg).inc_ref().ptr());
     }
     std::optional<SavingScope> saving;
-    if (training) saving.emplace(Borrowed(inputs), /*stays_open=*/true);
+    if (training) saving.emplace(Borrowed(inputs));
     const py::object outputs = CallWithGradMode(direct_.call, args, training);
     saving.reset();
 

@@ -61,8 +61,8 @@ void EndSaving() {
   Call(SavedTensorHooks().pop);
 }
 
-SavingScope::SavingScope(BorrowedBuffers borrowed, bool stays_open) {
-  RunScope* scope = stays_open ? DirectRunScope() : nullptr;
+SavingScope::SavingScope(BorrowedBuffers borrowed) {
+  RunScope* scope = DirectRunScope();
   if (scope && scope->saving_open) {
     t_borrowed.back() = std::move(borrowed);
   } else {

@@ -22,14 +22,14 @@ using BorrowedBuffers = SmallVector<uintptr_t, 8>;
 // For its lifetime, torch's saved-tensor hooks on this thread copy what is saved from the
 // buffers at `borrowed` (the inputs' data pointers). Scopes nest (a Function may run a session
 // itself); torch's hook stack is per thread, like ours. GIL held.
-// A training forward that a run scope's session calls directly (`stays_open`; see DirectRunScope)
+// A scope of a training forward that a run scope's session calls directly (see DirectRunScope)
 // leaves the hooks pushed when it ends, and the scope's next such call only points them at its
 // own buffers: a push and a pop less a call. Between the two only ORT's own kernels run; the next
 // kernel call of another kind (KernelGil), a call's fallback to the runner, and the scope's end
 // pop them (CloseOpenSaving).
 class SavingScope {
  public:
-  SavingScope(BorrowedBuffers borrowed, bool stays_open);
+  explicit SavingScope(BorrowedBuffers borrowed);
   SavingScope(const SavingScope&) = delete;
   SavingScope& operator=(const SavingScope&) = delete;
   ~SavingScope();  // may run while a Python error is being handled: it keeps that error intact
