@@ -62,13 +62,17 @@ def _as_tuple(result, what: str) -> tuple:
 
 
 def _export_tensor(t, owner: str, index: int, device: torch.device):
-    """A DLPack capsule of `t`, which must be on `device`; the kernel checks its dtype and rank
-    against the node. (The forward inlines the common case: a CPU tensor on the CPU.)"""
-    if isinstance(t, torch.Tensor) and t.device == device:
+    """A DLPack capsule of `t`, which must be a dense tensor on `device`; the kernel checks its
+    dtype and rank against the node. (The forward inlines the common case: a dense CPU tensor on
+    the CPU.)"""
+    if isinstance(t, torch.Tensor) and t.device == device and t.layout == torch.strided:
         return _to_dlpack(t)
     what = f"{owner} {index}"
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what} is {type(t).__name__}; expected a torch.Tensor")
+    if t.layout != torch.strided:
+        raise RuntimeError(f"{what} is a {t.layout} tensor; ONNX Runtime takes dense tensors only "
+                           "(return t.to_dense())")
     provider = "the CPU execution provider" if device.type == "cpu" else f"{device} (the CUDA execution provider)"
     raise RuntimeError(f"{what} is on {t.device}, but this kernel runs on {provider}")
 
@@ -225,7 +229,7 @@ class ForwardNode(_Node):
         on_cpu = self.on_cpu
         for i, o in enumerate(outputs):
             result.append(_to_dlpack(o) if on_cpu and isinstance(o, torch.Tensor) and o.is_cpu
-                          else _export_tensor(o, self.forward_output, i, self.device))
+                          and o.layout == torch.strided else _export_tensor(o, self.forward_output, i, self.device))
         for t in tensors:
             if t._version:  # the Function wrote into one of ORT's buffers: rare, checked in full
                 result.append(self._modified_inputs(tensors, outputs))

@@ -36,6 +36,8 @@ class Faulty(torch.autograd.Function):
             return "not a tensor"
         if m == "device":
             return torch.empty(x.shape, device="meta")
+        if m == "sparse":
+            return (x * 2).to_sparse()
         return x * 2
 
     @staticmethod
@@ -51,6 +53,8 @@ class Faulty(torch.autograd.Function):
             return (g * 2).double()
         if m == "bw_type":
             return (2.0,)
+        if m == "bw_sparse":
+            return (g * 2).to_sparse()
         return g * 2
 
 
@@ -82,6 +86,7 @@ FORWARD_ERRORS = {
     "rank": r"output 1 has rank 2, but the node declares rank 1",
     "type": r"forward returned str; expected a tensor or a tuple of tensors",
     "device": r"output 0 is on meta, but this kernel runs on the CPU",
+    "sparse": r"output 0 is a torch.sparse_coo tensor; ONNX Runtime takes dense tensors only \(return t.to_dense\(\)\)",
 }
 BACKWARD_ERRORS = {
     "bw_raise": r"KeyError: 'backward exploded'",
@@ -89,6 +94,7 @@ BACKWARD_ERRORS = {
     "bw_shape": r"gradient output 0 has shape \(1,\), but the forward input had shape \(3,\)",
     "bw_dtype": r"gradient output 0 is float64, but the node declares float32",
     "bw_type": r"backward value 0 is float; expected a torch.Tensor",
+    "bw_sparse": r"backward value 0 is a torch.sparse_coo tensor; ONNX Runtime takes dense tensors only",
 }
 
 
