@@ -35,6 +35,22 @@ class Clone(torch.autograd.Function):
         return g
 
 
+@ortbridge.register(name="ortbridge_bench.SavesInput")
+class SavesInput(torch.autograd.Function):
+    """Shaped like an activation (timm's HardSwishMe, SwishMe): saves its input for backward,
+    which reads it back."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * 2
+
+
 @ortbridge.register(name="ortbridge_bench.View")
 class View(torch.autograd.Function):
     """Returns a view of its input: no work at all in torch."""

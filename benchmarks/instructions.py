@@ -13,6 +13,8 @@ N calls are counted (Ir, instructions executed in user space). Per op = (Ir(K=64
               K Function.apply calls;
   train/eval  a module calling Clone.apply K times, OrtModule against eager (overhead.py
               --modes ortmodule).
+  train-saves the train step with SavesInput in place of Clone, a Function that saves its input
+              for backward as activations do (overhead.py --modes ortmodule --function saves).
 Instructions are not time: ORT's path runs more code in more libraries than eager (fewer
 instructions per cycle), so time ratios come out above these; but they move by at most ~5% between
 runs (eager's count too), where this machine's timings move by 10-50%, so a change's effect
@@ -36,6 +38,7 @@ CONFIGS = {  # name: (ORT variant, eager variant)
     "training": ("ort", "eager"),
     "train": ("OrtModule", "eager"),
     "eval": ("OrtModule", "eager"),
+    "train-saves": ("OrtModule", "eager"),
 }
 
 
@@ -50,7 +53,8 @@ def child(config: str, variant: str, k: int, calls: int) -> None:
         call = ort_call if variant == "ort" else eager_call
         grad = torch.no_grad() if (config == "inference" and variant == "eager") else torch.enable_grad()
     else:
-        steps, check = overhead.make_module_steps(config == "train", k, compiled=False)
+        func = overhead.SavesInput if config == "train-saves" else overhead.Clone
+        steps, check = overhead.make_module_steps(config != "eval", k, compiled=False, func=func)
         error = check()
         if error:
             sys.exit(error)
@@ -98,13 +102,13 @@ def main() -> int:
     calls = 2 if args.quick else args.calls
     print(f"instructions (Ir) per call, callgrind, {calls} counted calls per configuration; "
           "per op = (Ir(K=64) - Ir(K=1)) / 63")
-    print(f"{'config':10s} {'ORT Ir/op':>10s} {'eager Ir/op':>12s} {'ratio':>6s}")
+    print(f"{'config':11s} {'ORT Ir/op':>10s} {'eager Ir/op':>12s} {'ratio':>6s}")
     for config in configs:
         per_op = []
         for variant in CONFIGS[config]:
             ir = {k: count(config, variant, k, calls) for k in KS}
             per_op.append((ir[KS[1]] - ir[KS[0]]) / (KS[1] - KS[0]) / calls)
-        print(f"{config:10s} {per_op[0]:10.0f} {per_op[1]:12.0f} {per_op[0] / per_op[1]:6.2f}")
+        print(f"{config:11s} {per_op[0]:10.0f} {per_op[1]:12.0f} {per_op[0] / per_op[1]:6.2f}")
     return 0
 
 

@@ -57,8 +57,11 @@ CUDAExecutionProvider, --device cuda exits with status 2 and says what is missin
 -----------------
 The same Function, called by a module instead of a hand-built graph: forward is a chain of K
 Clone.apply calls on a 16-element float32 input that requires grad, so backward runs through
-all K calls. K = 1 and 64 by default (--ortmodule-ks). Three variants of the module, their
-repeats interleaved:
+all K calls. K = 1 and 64 by default (--ortmodule-ks). `--function saves` calls SavesInput
+instead, which saves its input for backward as an activation does (forward x * 2, backward
+reads x back, g * 2): OrtModule then binds each saved input as an output of the forward graph
+and lends its buffer to the Function (no copy). Three variants of the module, their repeats
+interleaved:
   eager      the plain module.
   OrtModule  ortbridge.OrtModule(module) with its default options (one ONNX Runtime thread
              for these small graphs, which sleeps between runs): the K calls are K PythonOp nodes
@@ -91,7 +94,7 @@ from onnx import helper
 
 import ortbridge
 from ortbridge import _runner
-from common import Clone, cuda_versions, medians, python_op, python_op_grad, require_device, session, versions
+from common import Clone, SavesInput, cuda_versions, medians, python_op, python_op_grad, require_device, session, versions
 
 NUMEL = 16
 KS = (1, 16, 64)
@@ -265,17 +268,21 @@ def print_inference_parts(repeats: int, target: float, warmup: int) -> None:
           f"{floor * 1e6:.2f} us = {floor / t_apply:.2f} x one eager Function.apply ({t_apply * 1e6:.2f} us)")
 
 
-class CloneChain(torch.nn.Module):
-    """K identity-like Function calls: forward clones K times, backward passes the gradient
-    back through all K."""
+FUNCTIONS = {"clone": Clone, "saves": SavesInput}  # --function
 
-    def __init__(self, k: int):
+
+class Chain(torch.nn.Module):
+    """K calls of a Function (Clone: forward clones K times, backward passes the gradient back
+    through all K)."""
+
+    def __init__(self, k: int, func: type = Clone):
         super().__init__()
         self.k = k
+        self.func = func
 
     def forward(self, x):
         for _ in range(self.k):
-            x = Clone.apply(x)
+            x = self.func.apply(x)
         return x
 
 
@@ -296,15 +303,15 @@ def module_step(model, x: torch.Tensor, train: bool):
     return step
 
 
-def make_module_steps(train: bool, k: int, compiled: bool):
+def make_module_steps(train: bool, k: int, compiled: bool, func: type = Clone):
     """({variant: step}, check) for the module benchmark: eager, OrtModule and (with `compiled`)
     torch.compile(backend="ortbridge"), each with an input of its own. check() runs eager's
     step once and each wrapped one twice (the first call captures its graphs), and gives an error
     message, or None."""
-    module = CloneChain(k).train(train)
+    module = Chain(k, func).train(train)
     wrapped = {"eager": module, "OrtModule": ortbridge.OrtModule(module)}
     if compiled:
-        torch._dynamo.reset()  # (one code object, CloneChain.forward, for every K and mode)
+        torch._dynamo.reset()  # (one code object, Chain.forward, for every K and mode)
         wrapped["compile"] = torch.compile(module, backend="ortbridge")
     x = torch.arange(NUMEL, dtype=torch.float32)
     steps = {name: module_step(m, x.clone().requires_grad_(train), train) for name, m in wrapped.items()}
@@ -331,11 +338,11 @@ def make_module_steps(train: bool, k: int, compiled: bool):
     return steps, check
 
 
-def run_ortmodule(ks: tuple, repeats: int, target: float, warmup: int, compiled: bool) -> int:
+def run_ortmodule(ks: tuple, repeats: int, target: float, warmup: int, compiled: bool, func: type = Clone) -> int:
     """The module benchmark (--modes ortmodule): prints its tables; 1 when a check fails."""
     variants = ["eager", "OrtModule"] + (["compile"] if compiled else [])
-    print("ortmodule: a module calling Clone.apply K times; step = train (forward, y.sum().backward()) or eval "
-          "(no_grad forward)")
+    print(f"ortmodule: a module calling {func.__name__}.apply K times; step = train (forward, y.sum().backward()) "
+          "or eval (no_grad forward)")
     print("OrtModule with its default options (ORT intra-op threads: one, as every tensor is small)"
           + ("; compile = torch.compile(backend=\"ortbridge\"), which inlines the Function" if compiled else ""))
     header = f"{'step':<6} {'K':>3} {'eager us/step':>14} {'OrtModule us/step':>18} {'ratio':>7}"
@@ -345,7 +352,7 @@ def run_ortmodule(ks: tuple, repeats: int, target: float, warmup: int, compiled:
     results: dict[tuple[str, int], dict[str, float]] = {}
     for kind in ("train", "eval"):
         for k in ks:
-            steps, check = make_module_steps(kind == "train", k, compiled)
+            steps, check = make_module_steps(kind == "train", k, compiled, func)
             error = check()
             if error is not None:
                 print(f"ERROR: {error}", file=sys.stderr)
@@ -409,6 +416,8 @@ def main(argv=None) -> int:
     p.add_argument("--ortmodule-ks", default=",".join(map(str, ORTMODULE_KS)),
                    help="comma-separated chain lengths K of the ortmodule mode (per call: from the smallest and "
                         "the largest)")
+    p.add_argument("--function", choices=FUNCTIONS, default="clone",
+                   help="the ortmodule mode's Function: clone (default) or saves (saves its input for backward)")
     p.add_argument("--no-compile", action="store_true",
                    help="ortmodule mode without the torch.compile(backend=\"ortbridge\") variant")
     args = p.parse_args(argv)
@@ -467,7 +476,7 @@ def main(argv=None) -> int:
             print_inference_parts(repeats, target, warmup)
     if "ortmodule" in modes:
         print()
-        if run_ortmodule(ortmodule_ks, repeats, target, warmup, not args.no_compile):
+        if run_ortmodule(ortmodule_ks, repeats, target, warmup, not args.no_compile, FUNCTIONS[args.function]):
             return 1
     gc.collect()
     live = ortbridge.context_pool_size()

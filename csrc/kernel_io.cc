@@ -99,16 +99,6 @@ TensorView KernelOutputs::Write(size_t index, PyObject* capsule, int64_t type, i
   return out;
 }
 
-namespace {
-
-size_t ByteSize(const TensorMeta& meta) {
-  size_t bytes = ElementSize(meta.elem_type);
-  for (int64_t d : meta.shape) bytes *= static_cast<size_t>(d);
-  return bytes;
-}
-
-}  // namespace
-
 bool KernelOutputs::CopiedByTorch(size_t bytes) const {
   return placement_.via_torch() || bytes >= kTorchCopyBytes;
 }
@@ -116,7 +106,7 @@ bool KernelOutputs::CopiedByTorch(size_t bytes) const {
 void KernelOutputs::Redirect(size_t index, TensorView* input) {
   void* buffer = Allocate(index, input->shape, input->elem_type);
   if (buffer == input->data) return;
-  const size_t bytes = ByteSize(*input);
+  const size_t bytes = input->byte_size();
   if (CopiedByTorch(bytes)) {
     TorchCopy(runner_, buffer, *input, placement_.device);
   } else {
@@ -132,7 +122,7 @@ void KernelOutputs::Zeros(size_t index, const TensorMeta& meta) {
   if (placement_.via_torch()) {
     TorchFill(runner_, out, placement_.device, 0);
   } else {
-    std::memset(out.data, 0, ByteSize(meta));
+    std::memset(out.data, 0, meta.byte_size());
   }
 }
 
@@ -149,7 +139,7 @@ void KernelOutputs::Scalar(size_t index, int64_t value) {
 
 py::object KernelOutputs::Lend(size_t index, const Shape& shape, int64_t type) {
   void* data = Allocate(index, shape, type);
-  lent_.push_back({index, static_cast<const char*>(data), ByteSize({type, shape})});
+  lent_.push_back({index, static_cast<const char*>(data), TensorMeta{type, shape}.byte_size()});
   PyObject* capsule = BorrowAsCapsule(data, type, shape.data(), shape.size(), placement_.device);
   if (!capsule) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(capsule);

@@ -137,12 +137,14 @@ PYBIND11_MODULE(_C, m) {
         "context-id tensor holds (the caller releases those its outputs do not hold).");
   m.def(
       "_begin_saving",
-      [](const std::vector<uintptr_t>& borrowed) {
-        ortbridge::BeginSaving(ortbridge::BorrowedBuffers(borrowed.begin(), borrowed.end()));
+      [](const std::vector<std::pair<uintptr_t, size_t>>& borrowed) {
+        ortbridge::BorrowedBuffers buffers;
+        for (const auto& [address, bytes] : borrowed) buffers.push_back({address, address + bytes});
+        ortbridge::BeginSaving(std::move(buffers));
       },
       py::arg("borrowed"),
-        "Until _end_saving, what a Function on this thread saves for backward from the buffers at these "
-        "addresses is copied, anything else detached (torch's saved-tensor hooks).");
+        "Until _end_saving, what a Function on this thread saves for backward from the buffers (address, "
+        "bytes) is copied, anything else detached (torch's saved-tensor hooks).");
   m.def("_end_saving", &ortbridge::EndSaving);
   m.def("_shutdown", &ortbridge::Shutdown);
   py::module_::import("atexit").attr("register")(m.attr("_shutdown"));

@@ -116,6 +116,12 @@ std::vector<DeclaredValue> DeclaredOutputs(const OrtApi& api, const OrtKernelInf
 struct TensorMeta {
   int64_t elem_type = 0;
   Shape shape;
+
+  size_t byte_size() const {
+    size_t bytes = ElementSize(elem_type);
+    for (int64_t d : shape) bytes *= static_cast<size_t>(d);
+    return bytes;
+  }
 };
 
 // A tensor input or output of the kernel as raw memory.

@@ -199,12 +199,16 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
   // The buffers of ORT's inputs, which the call borrows.
   static BorrowedBuffers Borrowed(const TensorViews& inputs) {
     BorrowedBuffers buffers;
-    for (const TensorView& t : inputs) buffers.push_back(reinterpret_cast<uintptr_t>(t.data));
+    for (const TensorView& t : inputs) {
+      const auto begin = reinterpret_cast<uintptr_t>(t.data);
+      buffers.push_back({begin, begin + t.byte_size()});
+    }
     return buffers;
   }
+  // Their addresses, as the runner's Python checks them.
   static py::set BorrowedSet(const TensorViews& inputs) {
     py::set buffers;
-    for (uintptr_t b : Borrowed(inputs)) buffers.add(py::int_(b));
+    for (const TensorView& t : inputs) buffers.add(py::int_(reinterpret_cast<uintptr_t>(t.data)));
     return buffers;
   }
 

@@ -14,20 +14,22 @@ thread_local std::vector<BorrowedBuffers> t_borrowed;  // per open scope, innerm
 struct Hooks {
   py::object pop, pack, unpack, kept_from_borrowed;
   py::str push{"_push_saved_hooks"};
-  py::str untyped_storage{"untyped_storage"}, data_ptr{"data_ptr"}, detach{"detach"};
+  py::str data_ptr{"data_ptr"}, detach{"detach"};
 };
 
 const Hooks& SavedTensorHooks();
 
-// The pack hook: for a tensor whose storage is one of the innermost scope's borrowed buffers,
-// what the runner's _kept_from_borrowed keeps (a copy, or a view of a buffer the graph run
-// lent); the tensor detached otherwise.
+// The pack hook: for a tensor whose data lies in one of the innermost scope's borrowed buffers,
+// what the runner's _kept_from_borrowed keeps (a copy, or the buffer the graph run lent, or a
+// view of it); the tensor detached otherwise. (Its data pointer, not its storage's: one call less.)
 py::object Pack(py::handle t) {
   const Hooks& hooks = SavedTensorHooks();
   if (!t_borrowed.empty()) {
-    const auto storage = t.attr(hooks.untyped_storage)().attr(hooks.data_ptr)().cast<uintptr_t>();
+    const auto data = t.attr(hooks.data_ptr)().cast<uintptr_t>();
     const BorrowedBuffers& borrowed = t_borrowed.back();
-    if (std::find(borrowed.begin(), borrowed.end(), storage) != borrowed.end()) return hooks.kept_from_borrowed(t);
+    if (std::any_of(borrowed.begin(), borrowed.end(), [&](const BorrowedBuffer& b) { return b.Holds(data); })) {
+      return hooks.kept_from_borrowed(t);
+    }
   }
   return t.attr(hooks.detach)();
 }

@@ -16,12 +16,17 @@ namespace ortbridge {
 
 namespace py = pybind11;
 
-// The data pointers of a call's inputs.
-using BorrowedBuffers = SmallVector<uintptr_t, 8>;
+// The bytes of one of a call's inputs, [begin, end]: a tensor whose data starts there views it
+// (its storage is that buffer: DLPack gave it no room before or after).
+struct BorrowedBuffer {
+  uintptr_t begin, end;
+  bool Holds(uintptr_t data) const { return begin <= data && data <= end; }
+};
+using BorrowedBuffers = SmallVector<BorrowedBuffer, 8>;
 
 // For its lifetime, torch's saved-tensor hooks on this thread copy what is saved from the
-// buffers at `borrowed` (the inputs' data pointers). Scopes nest (a Function may run a session
-// itself); torch's hook stack is per thread, like ours. GIL held.
+// `borrowed` buffers (the inputs'). Scopes nest (a Function may run a session itself); torch's
+// hook stack is per thread, like ours. GIL held.
 // A scope of a training forward that a run scope's session calls directly (see DirectRunScope)
 // leaves the hooks pushed when it ends, and the scope's next such call only points them at its
 // own buffers: a push and a pop less a call. Between the two only ORT's own kernels run; the next

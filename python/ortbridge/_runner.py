@@ -249,9 +249,8 @@ class ForwardNode(_Node):
                             tensors[i] = tensors[i].clone()
         # Inputs view ORT buffers that ORT reuses after this call: whatever the Function saves
         # for backward from them must be a copy (csrc/saved_tensors.h).
-        borrowed = {t.data_ptr() for t in tensors}
-        _C._begin_saving(list(borrowed))
-        return borrowed
+        _C._begin_saving([(t.data_ptr(), t.nbytes) for t in tensors])
+        return {t.data_ptr() for t in tensors}
 
     @staticmethod
     def _context(outputs: tuple, borrowed: set):
@@ -297,10 +296,14 @@ _lent_buffers: dict[int, torch.Tensor] = {}
 
 
 def _kept_from_borrowed(t: torch.Tensor) -> torch.Tensor:
-    """What a Function keeps for backward of a tensor that views one of ORT's input buffers: a
-    view of the tensor owning that buffer, which the view keeps alive (all of it, as a view
-    keeps its base in eager), where the run lent it; otherwise a copy (ORT reuses its buffers
-    once the call returns)."""
+    """What a Function keeps for backward of a tensor that views one of ORT's input buffers,
+    where the run lent it: the tensor owning that buffer when t is all of it (the Function saved
+    its input as ORT gave it, the common case: no view to make), else a view of that tensor,
+    which keeps it alive (all of it, as a view keeps its base in eager); otherwise a copy (ORT
+    reuses its buffers once the call returns)."""
+    owner = _lent_buffers.get(t.data_ptr())
+    if owner is not None and owner.shape == t.shape and owner.dtype == t.dtype and t.is_contiguous():
+        return owner
     storage = t.untyped_storage()
     owner = _lent_buffers.get(storage.data_ptr())
     if owner is not None and owner.dtype == t.dtype and owner.untyped_storage().nbytes() == storage.nbytes():

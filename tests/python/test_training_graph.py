@@ -114,22 +114,25 @@ def test_set_materialize_grads_false_passes_none():
 
 @ortbridge.register
 class SavesItsInput(torch.autograd.Function):
-    """Saves its input both ways torch allows; ORT's buffer must not be what is kept."""
-    forward_ptr = None
+    """Saves its input both ways torch allows, and a view into it (x[1:], whose data does not
+    start where the buffer does); ORT's buffer must not be what is kept."""
+    forward_bytes = None
 
     @staticmethod
     def forward(ctx, x):
-        SavesItsInput.forward_ptr = x.data_ptr()
-        ctx.save_for_backward(x)
+        SavesItsInput.forward_bytes = range(x.data_ptr(), x.data_ptr() + x.nbytes)
+        ctx.save_for_backward(x, x[1:])
         ctx.also = x
         return x.exp()
 
     @staticmethod
     def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        assert x.data_ptr() != SavesItsInput.forward_ptr, "saved tensor still views ORT's input buffer"
-        assert ctx.also.data_ptr() != SavesItsInput.forward_ptr, "ctx attribute still views ORT's input buffer"
-        return g * x.exp() + 0 * ctx.also
+        x, tail = ctx.saved_tensors
+        ort_buffer = SavesItsInput.forward_bytes
+        assert x.data_ptr() not in ort_buffer, "saved tensor still views ORT's input buffer"
+        assert tail.data_ptr() not in ort_buffer, "saved view still views ORT's input buffer"
+        assert ctx.also.data_ptr() not in ort_buffer, "ctx attribute still views ORT's input buffer"
+        return g * torch.cat([x[:1], tail]).exp() + 0 * ctx.also
 
 
 def test_tensors_kept_for_backward_are_copies_of_ort_buffers():
