@@ -19,7 +19,10 @@ BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
     ("capture_time.py", ["--quick"], "largest phase"),
     ("step_memory.py", ["--quick", "--models", "Block", "--variants", "eager,OrtModule"], "xpeak"),
     pytest.param("instructions.py", ["--quick"], "Ir/op", marks=pytest.mark.skipif(
-        shutil.which("valgrind") is None, reason="needs valgrind (callgrind), which this machine lacks"))])
+        shutil.which("valgrind") is None, reason="needs valgrind (callgrind), which this machine lacks")),
+    # (a Function that saves its input: OrtModule lends it the buffer, checked against eager)
+    ("overhead.py", ["--quick", "--modes", "ortmodule", "--function", "saves", "--no-compile", "--ortmodule-ks", "1,4"],
+     "calling SavesInput.apply")])
 def test_benchmark_runs(script, args, marker):
     proc = subprocess.run([sys.executable, os.path.join(BENCHMARKS, script), *args],
                           capture_output=True, text=True, timeout=300)
