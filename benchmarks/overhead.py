@@ -59,9 +59,9 @@ The same Function, called by a module instead of a hand-built graph: forward is 
 Clone.apply calls on a 16-element float32 input that requires grad, so backward runs through
 all K calls. K = 1 and 64 by default (--ortmodule-ks). `--function saves` calls SavesInput
 instead, which saves its input for backward as an activation does (forward x * 2, backward
-reads x back, g * 2). Its 16 floats are under the 64 KiB from which OrtModule lends a saved
-input a buffer of torch's (training/graph.py, _LEND_FROM_BYTES): the pack hook copies each.
-Three variants of the module, their repeats interleaved:
+reads x back, g * 2): OrtModule then binds each saved input as an output of the forward graph
+and lends its buffer to the Function (no copy). Three variants of the module, their repeats
+interleaved:
   eager      the plain module.
   OrtModule  ortbridge.OrtModule(module) with its default options (one ONNX Runtime thread
              for these small graphs, which sleeps between runs): the K calls are K PythonOp nodes

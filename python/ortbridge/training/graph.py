@@ -39,16 +39,6 @@ _PYTHON_OP_GRAD = torch.ops.ortbridge.python_op_grad.default
 # Views ONNX Runtime makes without a copy (Reshape, Unsqueeze: their output shares the buffer).
 _SAME_BUFFER_VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
                       torch.ops.aten.reshape.default, torch.ops.aten.unsqueeze.default}
-# A saved CPU tensor smaller than this is copied when saved, not lent: lending costs a buffer made
-# and bound per step (~17K instructions, torch.empty and ORT's bind_output), which is about the
-# time a copy of 64 KiB takes; a copy of a small tensor costs less (benchmarks/instructions.py
-# train-saves, 16 floats: 126.7K instructions a call copied against 141.8K lent).
-_LEND_FROM_BYTES = 64 << 10
-
-
-def _worth_lending(value: torch.Tensor) -> bool:
-    numel = value.numel()
-    return value.device.type != "cpu" or not isinstance(numel, int) or numel * value.element_size() >= _LEND_FROM_BYTES
 
 
 def _forward_node(inputs: list, index: int, training: bool, shapes: list) -> list:
@@ -324,8 +314,7 @@ class OnnxGraph:
         # Every context id leaves the graph in a tensor that owns it: one backward does not need
         # (its Function's outputs were not differentiable here) is released after the run.
         # Each computed tensor a Function saves for backward leaves it too, into a buffer the run
-        # lends the Function (_runner._lent_buffers): saved without a copy, and alive while saved
-        # (a small one on the CPU is copied instead: _LEND_FROM_BYTES).
+        # lends the Function (_runner._lent_buffers): saved without a copy, and alive while saved.
         self.lent: list[int] = []  # indices in `computed` of those tensors
         for node in list(graph.nodes):
             if training and node.target is _PYTHON_OP:
@@ -340,7 +329,7 @@ class OnnxGraph:
                     saved = node.args[0][i]
                     while saved.target in _SAME_BUFFER_VIEWS:  # (a graph output would be a copy)
                         saved = saved.args[0]
-                    if saved.op == "call_function" and saved not in computed and _worth_lending(saved.meta["val"]):
+                    if saved.op == "call_function" and saved not in computed:
                         self.lent.append(len(computed))
                         computed.append(saved)
         self.device = _device_of(placeholders + computed)
