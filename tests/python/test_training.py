@@ -511,6 +511,29 @@ def test_replaced_parameters_and_layers_are_captured_again():
     _assert_close(wrapped(x), eager(x), "after load_state_dict(assign=True)")
 
 
+def test_tensors_are_bound_again_once_their_address_or_shape_changes():
+    # A run binds a tensor only where its address or shape differs from the last run's: inputs at
+    # one address in several shapes, and a parameter given a new buffer, are read as they are now.
+    torch.manual_seed(0)
+    wrapped = ortbridge.OrtModule(LinearBiasGelu(), dynamic=True)
+    eager = copy.deepcopy(wrapped.module)
+    buffer = torch.randn(40)
+    for shape in ((5, 4), (5, 4), (3, 4), (2, 4), (2, 4)):
+        x = buffer[:shape[0] * 4].view(shape)  # (each at buffer's address)
+        if shape == (2, 4):
+            for m in (wrapped.module, eager):
+                m.linear.weight.data = m.linear.weight.data * 2  # (the same Parameter: no new capture)
+        out, expected = wrapped(x), eager(x)
+        _assert_close(out, expected, f"output, shape {shape}")
+        out.sum().backward()
+        expected.sum().backward()
+        for name, p in eager.named_parameters():
+            _assert_close(wrapped.module.get_parameter(name).grad, p.grad, f"{name}'s gradient, shape {shape}")
+        wrapped.zero_grad()
+        eager.zero_grad()
+    assert len(_all_captures(wrapped)) == 1
+
+
 def test_only_registered_functions_with_all_functions_false():
     torch.manual_seed(0)
     model = Apply(lambda m, h: tf.SiLUSavingInput.apply(h))

@@ -487,27 +487,41 @@ class GraphSession:
     def _run_with(self, session, bindings: list, spinning: bool, inputs: list) -> tuple:
         # ORT's own IOBinding binding, reused: its Python wrapper asks the session for its
         # providers on every run. One per concurrent run (another thread, a nested call).
-        binding = bindings.pop() if bindings else _Binding(session, self.context_inputs, self.context_outputs)
+        binding = bindings.pop() if bindings else _Binding(session, self.context_inputs, self.context_outputs,
+                                                              len(self.input_bindings) + len(self.output_bindings))
         try:
-            with _one_torch_thread() if spinning else contextlib.nullcontext():
+            if not spinning:
+                return self._run_bound(session, binding, inputs)
+            with _one_torch_thread():
                 return self._run_bound(session, binding, inputs)
         finally:
             bindings.append(binding)
 
     def _run_bound(self, session, binding: _Binding, inputs: list) -> tuple:
         """(the graph's computed outputs, None for each context id; the saved context ids' tensor or None)"""
-        bind_input, bind_output = binding.ort.bind_input, binding.ort.bind_output
-        for name, k, device, numpy_type in self.input_bindings:
+        # A tensor is bound again only where its address or shape differs from the binding's: a
+        # parameter keeps its buffer between steps, and torch's allocator often gives an output
+        # the address the last step's had.
+        bind_input, bind_output, bound = binding.ort.bind_input, binding.ort.bind_output, binding.bound
+        for j, (name, k, device, numpy_type) in enumerate(self.input_bindings):
             t = inputs[k]
-            bind_input(name, device, numpy_type, t.shape, t.data_ptr() or _placeholder_address(t))
+            where = (t.data_ptr() or _placeholder_address(t), t.shape)
+            if bound[j] != where:
+                bind_input(name, device, numpy_type, where[1], where[0])
+                bound[j] = where
         graph = self.graph
         if graph.context_args:
             torch.cat([inputs[k].view(-1) for k in graph.context_args], out=binding.ids_in)
         device = graph.device
         outputs = [None if is_context else torch.empty(shape, dtype=dtype, device=device)
                    for (dtype, is_context), shape in zip(graph.outputs, graph.output_shapes(inputs))]
+        j = len(self.input_bindings)
         for (name, ort_device, numpy_type), t in zip(self.output_bindings, (t for t in outputs if t is not None)):
-            bind_output(name, ort_device, numpy_type, t.shape, t.data_ptr() or _placeholder_address(t))
+            where = (t.data_ptr() or _placeholder_address(t), t.shape)
+            if bound[j] != where:
+                bind_output(name, ort_device, numpy_type, where[1], where[0])
+                bound[j] = where
+            j += 1
         lent = [outputs[j] for j in graph.lent if outputs[j].data_ptr()]
 
         def run():
@@ -542,8 +556,9 @@ class _Binding:
     bind costs about as much as a Function call): ORT writes a forward graph's ids into `ids_out`;
     a backward graph's are copied into `ids_in` before each run. One per concurrent run."""
 
-    def __init__(self, session, context_inputs: list, context_outputs: list):
+    def __init__(self, session, context_inputs: list, context_outputs: list, tensors: int):
         self.ort = ort_capi.SessionIOBinding(session._sess)
+        self.bound: list = [None] * tensors  # (address, shape) of each input, then output, bound now
         self.ids_in = torch.zeros(len(context_inputs), dtype=torch.int64)
         self.ids_out = torch.zeros(len(context_outputs), dtype=torch.int64)
         cpu, int64 = _ort_device(torch.device("cpu")), _dtypes.numpy_type(torch.int64)

@@ -15,6 +15,8 @@ import torch
 from torch._functorch._aot_autograd.schemas import MutationType, OutputType, ViewAndMutationMeta
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from .._runner import _direct_apply
+
 
 class Step:
     """The forward and backward sessions of a training capture, called as the module's flat
@@ -54,7 +56,8 @@ class Step:
     def __call__(self, args: list) -> list:
         for i in self.detached:
             args[i] = args[i].detach()
-        returned = _StepFunction.apply(self, *args)
+        # (torch's Python wrapper of apply only passes the arguments on, unless functorch is active)
+        returned = (_StepFunction.apply if _functorch_active() else _apply_step)(self, *args)
         for k, i in enumerate(self.mutated):
             args[i].copy_(returned[k])
         return returned[self.outputs]
@@ -98,6 +101,10 @@ class _StepFunction(torch.autograd.Function):
         if torch.is_grad_enabled():  # (create_graph=True: first-order gradients, as AOTAutograd gives)
             return (None, *_FirstOrder.apply(step, torch.empty(0, requires_grad=True), *args))
         return (None, *step.backward_graph(args))
+
+
+_functorch_active = torch._C._are_functorch_transforms_active
+_apply_step = _direct_apply(_StepFunction) or _StepFunction.apply
 
 
 class _FirstOrder(torch.autograd.Function):
