@@ -499,9 +499,9 @@ class GraphSession:
 
     def _run_bound(self, session, binding: _Binding, inputs: list) -> tuple:
         """(the graph's computed outputs, None for each context id; the saved context ids' tensor or None)"""
-        # A tensor is bound again only where its address or shape differs from the binding's: a
-        # parameter keeps its buffer between steps, and torch's allocator often gives an output
-        # the address the last step's had.
+        # A tensor is bound again only where its address or shape differs from the binding's (a
+        # bind of the same pointer and shape binds the same thing): parameters keep their
+        # buffers between steps.
         bind_input, bind_output, bound = binding.ort.bind_input, binding.ort.bind_output, binding.bound
         for j, (name, k, device, numpy_type) in enumerate(self.input_bindings):
             t = inputs[k]
