@@ -6,7 +6,8 @@ What is measured
 The configurations of overhead.py, each in a child process under `valgrind --tool=callgrind`
 with instrumentation off until it has warmed up (so imports and captures are not counted): then
 N calls are counted (Ir, instructions executed in user space). Per op = (Ir(K=64) - Ir(K=1)) / 63
-/ N, for ORT and for eager, and their ratio:
+/ N, for ORT and for eager, and their ratio; and Ir(K=1) / N, a whole call at K=1 (for train and
+eval, a module step: its fixed cost plus one Function call):
   inference   the hand-built chain of K PythonOps (training_mode=0) against K Function.apply
               calls under no_grad;
   training    K PythonOps then K PythonOpGrads in one graph, against forward and backward of
@@ -26,6 +27,7 @@ Needs valgrind (exits with status 2 and says so without it).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import subprocess
@@ -60,6 +62,8 @@ def child(config: str, variant: str, k: int, calls: int) -> None:
             sys.exit(error)
         call, grad = steps[variant], torch.enable_grad()
     control = ["callgrind_control", "--instr=on", str(os.getpid())]
+    gc.collect()
+    gc.disable()  # (a collection inside the counted calls adds millions of instructions to one row)
     with grad:
         for _ in range(20):
             call()
@@ -102,13 +106,16 @@ def main() -> int:
     calls = 2 if args.quick else args.calls
     print(f"instructions (Ir) per call, callgrind, {calls} counted calls per configuration; "
           "per op = (Ir(K=64) - Ir(K=1)) / 63")
-    print(f"{'config':11s} {'ORT Ir/op':>10s} {'eager Ir/op':>12s} {'ratio':>6s}")
+    print(f"{'config':11s} {'ORT Ir/op':>10s} {'eager Ir/op':>12s} {'ratio':>6s} "
+          f"{'ORT Ir/call K=1':>16s} {'eager Ir/call K=1':>18s}")
     for config in configs:
-        per_op = []
+        per_op, at_one = [], []
         for variant in CONFIGS[config]:
             ir = {k: count(config, variant, k, calls) for k in KS}
             per_op.append((ir[KS[1]] - ir[KS[0]]) / (KS[1] - KS[0]) / calls)
-        print(f"{config:11s} {per_op[0]:10.0f} {per_op[1]:12.0f} {per_op[0] / per_op[1]:6.2f}")
+            at_one.append(ir[KS[0]] / calls)  # (a whole step at K=1: for train/eval, the step's fixed cost and one call)
+        print(f"{config:11s} {per_op[0]:10.0f} {per_op[1]:12.0f} {per_op[0] / per_op[1]:6.2f} "
+              f"{at_one[0]:16.0f} {at_one[1]:18.0f}")
     return 0
 
 
