@@ -70,8 +70,14 @@ PYBIND11_MODULE(_C, m) {
       py::arg("context_id"), "Drops a context whose backward will never run. Returns whether it was live.");
   m.def(
       "context_ids_capsule",
-      [](std::vector<int64_t> ids) {
-        PyObject* capsule = ortbridge::NewContextIdsCapsule(std::move(ids));
+      [](const py::buffer& ids) {
+        // (a buffer, as a numpy view of the ids' tensor: no list of Python ints made)
+        const py::buffer_info info = ids.request();
+        if (info.ndim != 1 || info.itemsize != sizeof(int64_t) || info.strides[0] != info.itemsize ||
+            (info.format != "q" && info.format != "l"))
+          throw py::type_error("context ids: a 1-d contiguous buffer of int64, not format '" + info.format + "'");
+        const auto* data = static_cast<const int64_t*>(info.ptr);
+        PyObject* capsule = ortbridge::NewContextIdsCapsule(std::vector<int64_t>(data, data + info.shape[0]));
         if (!capsule) throw py::error_already_set();
         return py::reinterpret_steal<py::object>(capsule);
       },

@@ -488,6 +488,7 @@ class GraphSession:
         # ORT's own IOBinding binding, reused: its Python wrapper asks the session for its
         # providers on every run. One per concurrent run (another thread, a nested call).
         binding = bindings.pop() if bindings else _Binding(session, self.context_inputs, self.context_outputs,
+                                                              self.graph.saved_contexts,
                                                               len(self.input_bindings) + len(self.output_bindings))
         try:
             if not spinning:
@@ -525,32 +526,39 @@ class GraphSession:
                 bound[j] = where
             j += 1
         lent = [outputs[j] for j in graph.lent if outputs[j].data_ptr()]
-
-        def run():
-            for t in lent:
-                _lent_buffers[t.data_ptr()] = t
-            try:
-                session._sess.run_with_iobinding(binding.ort, None)
-            finally:
-                for t in lent:
-                    del _lent_buffers[t.data_ptr()]
-            # The saved context ids in a tensor that owns them, made before the run scope ends
-            # (which releases the contexts no tensor holds).
-            if graph.saved_contexts:
-                return _from_dlpack(_C.context_ids_capsule(binding.ids_out[:graph.saved_contexts].tolist()))
-            return None
-
         if self.stream is None:
-            return outputs, runtime.in_run_scope(run, _no_outputs)
+            return outputs, _run_in_scope(session, binding, lent)
         # ORT's stream starts after torch's work on the inputs and outputs; ORT's run ends once its
         # stream is done (context ids read on the host), and torch's later work waits for it too.
         # (ORT makes its device current on this thread: the caller's is put back.)
         with torch.cuda.device(device):
             current = torch.cuda.current_stream(device)
             self.stream.wait_stream(current)
-            contexts = runtime.in_run_scope(run, _no_outputs)
+            contexts = _run_in_scope(session, binding, lent)
             current.wait_stream(self.stream)
         return outputs, contexts
+
+
+def _run_in_scope(session, binding: _Binding, lent: list) -> torch.Tensor | None:
+    """ORT's run of `binding` in a run scope (runtime.in_run_scope, for a run whose outputs hold
+    no context id: the contexts it leaves live that no tensor holds are released), `lent` in
+    _lent_buffers while it runs; the saved context ids in a tensor that owns them, made before
+    the scope ends, or None."""
+    for t in lent:
+        _lent_buffers[t.data_ptr()] = t
+    _C._begin_run()
+    try:
+        session._sess.run_with_iobinding(binding.ort, binding.run_options)
+        contexts = None if binding.saved_ids is None else _from_dlpack(_C.context_ids_capsule(binding.saved_ids))
+    except BaseException:
+        _C._end_run(failed=True)
+        raise
+    finally:
+        for t in lent:
+            del _lent_buffers[t.data_ptr()]
+    for context_id in _C._end_run(failed=False):
+        _C.release_context(context_id)
+    return contexts
 
 
 class _Binding:
@@ -558,20 +566,19 @@ class _Binding:
     bind costs about as much as a Function call): ORT writes a forward graph's ids into `ids_out`;
     a backward graph's are copied into `ids_in` before each run. One per concurrent run."""
 
-    def __init__(self, session, context_inputs: list, context_outputs: list, tensors: int):
+    def __init__(self, session, context_inputs: list, context_outputs: list, saved_contexts: int, tensors: int):
         self.ort = ort_capi.SessionIOBinding(session._sess)
+        self.run_options = ort.RunOptions()  # (ORT makes one for each run given None: ~1 us)
         self.bound: list = [None] * tensors  # (address, shape) of each input, then output, bound now
         self.ids_in = torch.zeros(len(context_inputs), dtype=torch.int64)
         self.ids_out = torch.zeros(len(context_outputs), dtype=torch.int64)
+        # The saved ones (the first), as a numpy view that _C.context_ids_capsule reads.
+        self.saved_ids = self.ids_out.numpy()[:saved_contexts] if saved_contexts else None
         cpu, int64 = _ort_device(torch.device("cpu")), _dtypes.numpy_type(torch.int64)
         for j, name in enumerate(context_inputs):
             self.ort.bind_input(name, cpu, int64, [], self.ids_in.data_ptr() + 8 * j)
         for j, name in enumerate(context_outputs):
             self.ort.bind_output(name, cpu, int64, [], self.ids_out.data_ptr() + 8 * j)
-
-
-def _no_outputs(result) -> tuple:
-    return ()
 
 
 def _ort_device(device: torch.device):
