@@ -80,6 +80,27 @@ def test_convolution_and_pooling_train_with_their_backward_run_by_pytorch():
     assert all(name.startswith("aten::") for name in backward)
 
 
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_fallback_nodes_are_traced_alone_where_shapes_are_static(dynamic, monkeypatch):
+    # Tracing the whole program again for its fallback nodes took about a third of a capture:
+    # with static shapes each fallback node is traced alone and put in its place (batch norm's:
+    # several outputs, some of them graph outputs, the running statistics; the backward's with
+    # an output mask), with symbolic sizes the program is traced again.
+    traces = []
+    decompose = torch.export.ExportedProgram.run_decompositions
+    monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions",
+                        lambda self, *args, **kwargs: traces.append(args) or decompose(self, *args, **kwargs))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Hardswish(),
+                                torch.nn.Conv2d(4, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(),
+                                torch.nn.Linear(144, 2))
+    wrapped = train_like_eager(model, _images, wrap=functools.partial(ortbridge.OrtModule, dynamic=dynamic))
+    assert "aten::native_batch_norm_backward.default" in _graph_nodes(wrapped, 1)
+    for name, buffer in model.named_buffers():
+        torch.testing.assert_close(wrapped.module.get_buffer(name), buffer, msg=name)
+    assert len(traces) == (4 if dynamic else 2)  # (the decomposition of each graph, and with symbolic sizes its trace)
+
 def test_torch_compile_trains_a_cnn():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Hardswish(), torch.nn.Flatten(),
@@ -654,6 +675,22 @@ def test_a_steps_context_ids_are_saved_as_one_tensor_that_owns_their_contexts(on
     del losses
     assert ortbridge.context_pool_size() == 0
 
+
+
+def test_the_context_ids_tensor_is_made_from_a_contiguous_int64_vector_only():
+    # (the run hands _C a numpy view of the buffer ORT wrote the ids into; anything else is refused)
+    import numpy as np
+
+    from ortbridge import _C
+
+    ids = np.arange(3, dtype=np.int64)  # (no live context has these ids: freeing the tensor releases none)
+    assert torch.from_dlpack(_C.context_ids_capsule(ids[1:])).tolist() == [1, 2]
+    for bad in (np.arange(3, dtype=np.int32), np.arange(3, dtype=np.float64), ids.reshape(1, 3), ids[::2]):
+        with pytest.raises(TypeError, match="1-d contiguous buffer of int64"):
+            _C.context_ids_capsule(bad)
+    with pytest.raises(TypeError):
+        _C.context_ids_capsule([1, 2])
+    assert ortbridge.context_pool_size() == 0
 
 class _NormedTied(torch.nn.Module):
     """Batch norm (running statistics the step updates in place), a weight used twice, and

@@ -20,7 +20,9 @@ import types
 
 import onnx
 import torch
-from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+import torch.utils._pytree as pytree
+from torch.export.graph_signature import TensorArgument
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
 
 from .. import _dtypes, operators
 from .functions import ExportError
@@ -149,10 +151,64 @@ def exportable(program: torch.export.ExportedProgram, in_pytorch=frozenset(),
         for node in decomposed.graph.nodes:
             if node.target is aten.view.default:
                 node.target = aten.reshape.default
+        if _static_with_elements(decomposed.graph):
+            # Each fallback call traced alone and put in its place: tracing the whole program
+            # again took about a third of a capture.
+            for node in fallbacks:
+                _emit_in_place(decomposed.graph, node)
+            # (the signature names each output by the node that gives it, in order)
+            for spec, value in zip(decomposed.graph_signature.output_specs, decomposed.graph.output_node().args[0]):
+                if isinstance(spec.arg, TensorArgument):
+                    spec.arg = TensorArgument(name=value.name)
+            decomposed.graph_module.recompile()
+            return decomposed
         decomposed.graph_module.recompile()
         # Traced again, each fallback call emitting its node; the empty table decomposes nothing
         # (all is decomposed already), so the result is what torch's exporter translates.
         return decomposed.run_decompositions({})
+
+
+def _static_with_elements(graph: torch.fx.Graph) -> bool:
+    """Whether the graph's values are all tensors of static shapes with elements: its fallback
+    calls can be traced alone. (A symbolic size needs the whole trace; so does a tensor without
+    elements, as ONNX's Reshape of an aten reshape, which a trace makes a view, reads a 0 in
+    the shape as the input's dim.)"""
+    for node in graph.nodes:
+        for value in pytree.tree_leaves(node.meta.get("val")):
+            if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) or (
+                    isinstance(value, torch.Tensor) and not all(isinstance(d, int) and d > 0 for d in value.shape)):
+                return False
+    return True
+
+
+def _emit_in_place(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+    """`node` (its target an emitter) replaced in `graph` by the nodes its emitter writes, traced
+    on the fake values of its inputs."""
+    inputs = node.all_input_nodes
+
+    def call(*tensors):
+        by_input = dict(zip(inputs, tensors))
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), by_input.__getitem__)
+        return node.target(*args, **kwargs)
+
+    values = [a.meta["val"] for a in inputs]
+    with torch._guards.detect_fake_mode([*values, *operators.flatten_outputs(node.meta["val"])]):
+        traced = make_fx(call)(*values)
+    for emitted in (n for n in traced.graph.nodes if n.op == "call_function"):
+        # Named after the node they replace: the graph's namespace does not know the names
+        # torch.export gave, and the ONNX values are named by the nodes.
+        emitted.name = f"{node.name}_{emitted.name}"
+        if "nn_module_stack" in node.meta:  # (where the exporter finds a node's module)
+            emitted.meta["nn_module_stack"] = node.meta["nn_module_stack"]
+    with graph.inserting_before(node):
+        result = graph.graph_copy(traced.graph, dict(zip(traced.graph.find_nodes(op="placeholder"), inputs)))
+    if isinstance(result, torch.fx.Node):
+        node.replace_all_uses_with(result)
+    else:  # (several outputs: its users take them by getitem)
+        for user in list(node.users):
+            user.replace_all_uses_with(result[user.args[1]])
+            graph.erase_node(user)
+    graph.erase_node(node)
 
 
 def to_onnx(program: torch.export.ExportedProgram, opset_version: int | None = None) -> onnx.ModelProto:
