@@ -80,7 +80,6 @@ def test_convolution_and_pooling_train_with_their_backward_run_by_pytorch():
     assert all(name.startswith("aten::") for name in backward)
 
 
-
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_fallback_nodes_are_traced_alone_where_shapes_are_static(dynamic, monkeypatch):
     # Tracing the whole program again for its fallback nodes took about a third of a capture:
@@ -100,6 +99,7 @@ def test_fallback_nodes_are_traced_alone_where_shapes_are_static(dynamic, monkey
     for name, buffer in model.named_buffers():
         torch.testing.assert_close(wrapped.module.get_buffer(name), buffer, msg=name)
     assert len(traces) == (4 if dynamic else 2)  # (the decomposition of each graph, and with symbolic sizes its trace)
+
 
 def test_torch_compile_trains_a_cnn():
     torch.manual_seed(0)
@@ -676,11 +676,8 @@ def test_a_steps_context_ids_are_saved_as_one_tensor_that_owns_their_contexts(on
     assert ortbridge.context_pool_size() == 0
 
 
-
 def test_the_context_ids_tensor_is_made_from_a_contiguous_int64_vector_only():
     # (the run hands _C a numpy view of the buffer ORT wrote the ids into; anything else is refused)
-    import numpy as np
-
     from ortbridge import _C
 
     ids = np.arange(3, dtype=np.int64)  # (no live context has these ids: freeing the tensor releases none)
@@ -691,6 +688,7 @@ def test_the_context_ids_tensor_is_made_from_a_contiguous_int64_vector_only():
     with pytest.raises(TypeError):
         _C.context_ids_capsule([1, 2])
     assert ortbridge.context_pool_size() == 0
+
 
 class _NormedTied(torch.nn.Module):
     """Batch norm (running statistics the step updates in place), a weight used twice, and
