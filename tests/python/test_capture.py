@@ -549,10 +549,13 @@ def test_the_recording_run_keeps_nothing_alive():
     # The recording run notes what each Function saves, and runs under saved-tensor hooks of its
     # own (not the caller's): a hook keeping a saved output itself made a cycle (output -> its
     # autograd node -> the saved output) that kept each capture's recorded forward alive, in a
-    # Function and out of one (sigmoid saves its output).
+    # Function and out of one (sigmoid saves its output). (A forward run's buffers for the next,
+    # which its binding keeps, aside.)
     def alive() -> int:  # (tensors of the model's activations: rows of 11)
         gc.collect()
-        return sum(1 for o in gc.get_objects() if type(o) is torch.Tensor and o.dim() == 2 and o.shape[1] == 11)
+        kept = {id(t) for c in _all_captures(wrapped) for s in c.sessions for b in s._bindings for t in b.kept.values()}
+        return sum(1 for o in gc.get_objects()
+                   if type(o) is torch.Tensor and o.dim() == 2 and o.shape[1] == 11 and id(o) not in kept)
 
     wrapped = ortbridge.OrtModule(torch.nn.Sequential(torch.nn.Linear(5, 11), torch.nn.Sigmoid(),
                                                       _Calls(SavesItsOutput), torch.nn.Sigmoid()))
@@ -646,6 +649,52 @@ def test_a_function_keeps_its_computed_input_without_a_copy():
         assert sorted(kept_at_forward_address) == [False, False, True, True, True, True], SavesItsInput.addresses
     (forward, _) = _all_captures(wrapped)[0].sessions
     assert len(forward.graph.lent) == 2
+
+
+def test_a_run_writes_what_only_the_step_holds_into_the_last_steps_buffers():
+    # The forward graph's outputs that never leave the step (buffers lent to Functions, tensors
+    # saved for backward) go into the last run's buffers where nothing holds those any more: no
+    # allocation and no bind. A buffer anything still holds keeps its values, and the run takes a
+    # new one.
+    wrapped = train_like_eager(_ThreeSavingCalls(), functools.partial(_inputs_3d, shape=(2, 3, 6)))
+    (forward, _) = _all_captures(wrapped)[0].sessions
+    (binding,) = forward._bindings
+    assert set(forward.graph.lent) < set(forward.recycled) == set(binding.kept)  # (and the saved Linear output)
+
+    def step(k: int) -> dict:
+        wrapped(_inputs_3d(k, (2, 3, 6))[0]).square().sum().backward()
+        assert ortbridge.context_pool_size() == 0
+        return {j: t.data_ptr() for j, t in binding.kept.items()}
+
+    holders = [("a Python reference", lambda t: t, lambda held: held),
+               ("a view", lambda t: t.view(-1)[:2], lambda held: held),
+               ("another tensor on its memory", lambda t: t.detach(), lambda held: held),
+               # (a product's backward keeps the tensor itself: a reference only C++ holds)
+               ("autograd", lambda t: (t * torch.ones((), requires_grad=True)).grad_fn,
+                lambda held: held._saved_self)]
+    j = min(binding.kept)
+    for k, (kind, hold, read) in enumerate(holders):
+        step(10 + 2 * k)
+        addresses = step(11 + 2 * k)
+        assert step(11 + 2 * k) == addresses, "a buffer nothing holds was not written again"
+        with torch.enable_grad():
+            held = hold(binding.kept[j])
+        expected = read(held).clone()
+        moved = step(12 + 2 * k)
+        assert torch.equal(read(held), expected), f"{kind}: a held buffer was written"
+        assert [i for i in addresses if moved[i] != addresses[i]] == [j], kind
+        del held
+
+
+def test_outputs_larger_than_the_recycling_bound_get_new_buffers(monkeypatch):
+    # (the bound keeps large buffers from staying between steps, where eager frees them)
+    from ortbridge.training import graph
+
+    monkeypatch.setattr(graph, "RECYCLED_BYTES", 2 * 3 * 16 * 4 - 1)  # (under the Linear's output)
+    wrapped = train_like_eager(_ThreeSavingCalls(), functools.partial(_inputs_3d, shape=(2, 3, 6)))
+    (forward, _) = _all_captures(wrapped)[0].sessions
+    # (of the two lent buffers and the saved Linear output, the lent x * 2 alone)
+    assert [forward.graph.output_bytes[j] for j in forward.recycled] == [2 * 3 * 6 * 4]
 
 
 @pytest.mark.parametrize("one_vector", [True, False])
@@ -771,6 +820,27 @@ def test_retain_graph_runs_a_steps_backward_again_unless_it_calls_functions():
     assert _all_captures(wrapped)[0].step is not None
     torch.testing.assert_close(grads[1], grads[0])
     torch.testing.assert_close(wrapped.module[0].weight.grad, eager[0].weight.grad)
+
+
+def test_a_graph_autograd_still_holds_keeps_its_saved_tensors_through_later_steps():
+    # retain_graph keeps the first step's saved tensors in autograd (references no Python
+    # object shows): the steps in between write theirs elsewhere.
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4), torch.nn.Tanh())
+    wrapped = ortbridge.OrtModule(copy.deepcopy(eager))
+    xs = [torch.randn(5, 4, requires_grad=True) for _ in range(3)]
+    grads = []
+    for m in (eager, wrapped):
+        first = m(xs[0]).sum()
+        first.backward(retain_graph=True)
+        for x in xs[1:]:
+            m(x).sum().backward()
+        xs[0].grad = None
+        first.backward()
+        grads.append(xs[0].grad)
+        xs[0].grad = None
+    assert _all_captures(wrapped)[0].sessions[0].recycled
+    torch.testing.assert_close(grads[1], grads[0])
 
 
 def test_create_graph_gives_first_order_gradients_and_refuses_a_second_order():

@@ -15,6 +15,7 @@ import logging
 import math
 import operator
 import statistics
+import sys
 import threading
 import time
 
@@ -133,6 +134,10 @@ def _spread_gradient_outputs(graph: onnx.GraphProto) -> None:
 # ORT's pool for each small operator (tens of us) costs more than splitting the operator saves
 # (benchmarks/train_step.py --ort-threads 1: the small block's step went from 1.52x eager to 1.00x).
 SMALL_GRAPH_ELEMENTS = 1 << 16
+
+
+# The largest output a graph's run writes into the last run's buffer (GraphSession.recycle).
+RECYCLED_BYTES = 1 << 18
 
 
 def default_session_options(largest_tensor: int | None = None, spinning: bool = False) -> ort.SessionOptions:
@@ -336,7 +341,9 @@ class OnnxGraph:
         self.context_args = [k for k, p in enumerate(placeholders)  # (before python_op_grad is rewritten)
                              if _is_context_input(p) or _is_context_vector_input(p)]
         self.outputs = [(n.meta["val"].dtype, is_context_id(n)) for n in computed]  # (dtype, is a context id)
-        output_shapes = [list(n.meta["val"].shape) for n in computed]
+        self.output_bytes = [math.prod(size_hint(d) for d in n.meta["val"].shape) * n.meta["val"].dtype.itemsize
+                             for n in computed]  # (at the capture's sizes)
+        output_shapes = [tuple(n.meta["val"].shape) for n in computed]  # (tuples: compared with torch.Size)
         self.output_shapes = sizes.at_run_time(output_shapes) or (lambda args, shapes=output_shapes: shapes)
         self.size_outputs = sizes.at_run_time([size_outputs]) if size_outputs else None
         for node in list(graph.nodes):
@@ -393,6 +400,7 @@ class GraphSession:
                  providers=None, save_as: str | None = None):
         self.graph = graph = OnnxGraph(gm, training)
         self.model = self.session = None
+        self.recycled: list[int] = []  # outputs written into the last run's buffers (see recycle)
         if not graph.outputs:
             return
         # A node ONNX Runtime has no kernel for (an operator on a type its kernels do not take: Relu
@@ -443,6 +451,7 @@ class GraphSession:
         self.context_inputs = input_names[len(graph.tensor_inputs):]
         self.context_outputs = [name for name, (_, is_context) in zip(output_names, graph.outputs) if is_context]
         self.stream = _cuda_stream(graph.device) if graph.device.type == "cuda" else None
+        self.recycle(graph.lent)
         self._bindings: list[_Binding] = []  # not in use
         self.spinning = False  # whether self.session's threads spin during a run (torch on one thread in it)
         self._trial = None
@@ -450,6 +459,17 @@ class GraphSession:
             self._trial = _SpinningTrial(runtime.InferenceSession(
                 self.model.SerializeToString(), default_session_options(graph.largest_tensor, spinning=True),
                 providers=_providers(providers, graph.device), disabled_optimizers=self._disabled_optimizers))
+
+    def recycle(self, computed: list) -> None:
+        """Recycle these computed outputs, which never leave the caller's hands (lent buffers,
+        tensors saved for backward): a run writes each into the last run's buffer where nothing
+        holds that any more (_unshared), not into a new one it allocates and binds (~3-10 us a
+        tensor). Only up to RECYCLED_BYTES each: above, the work on a tensor dwarfs that, and the
+        buffer would stay between steps, where eager frees it. Not on CUDA, where torch's
+        caching allocator already reuses memory, ordered by stream."""
+        if self.graph.device.type == "cpu":
+            small = (j for j in computed if self.graph.output_bytes[j] <= RECYCLED_BYTES)
+            self.recycled = sorted({*self.recycled, *small})
 
     def __call__(self, args: list) -> list:
         if torch.is_inference_mode_enabled():  # Functions see normal tensors, as in an ORT session of their own
@@ -515,9 +535,13 @@ class GraphSession:
             binding.ids_in.copy_(inputs[graph.context_args[0]])
         elif graph.context_args:
             torch.cat([inputs[k].view(-1) for k in graph.context_args], out=binding.ids_in)
-        device = graph.device
-        outputs = [None if is_context else torch.empty(shape, dtype=dtype, device=device)
-                   for (dtype, is_context), shape in zip(graph.outputs, graph.output_shapes(inputs))]
+        device, kept = graph.device, binding.kept
+        outputs = [None if is_context else
+                   kept[j].detach() if j in kept and kept[j].shape == shape and _unshared(kept, j) else
+                   torch.empty(shape, dtype=dtype, device=device)
+                   for j, ((dtype, is_context), shape) in enumerate(zip(graph.outputs, graph.output_shapes(inputs)))]
+        for j in self.recycled:
+            kept[j] = outputs[j]
         j = len(self.input_bindings)
         for (name, ort_device, numpy_type), t in zip(self.output_bindings, (t for t in outputs if t is not None)):
             where = (t.data_ptr() or _placeholder_address(t), t.shape)
@@ -537,6 +561,23 @@ class GraphSession:
             contexts = _run_in_scope(session, binding, lent)
             current.wait_stream(self.stream)
         return outputs, contexts
+
+
+def _references(kept: dict, j: int) -> int:
+    t = kept[j]
+    return sys.getrefcount(t)
+
+
+_ONLY_KEPT = _references({0: torch.empty(0)}, 0)  # (a tensor's references that a dict alone holds, seen there)
+_storage_use_count = torch._C._storage_Use_Count
+
+
+def _unshared(kept: dict, j: int) -> bool:
+    """Whether nothing but `kept` holds its tensor j or that tensor's memory: no other Python
+    reference, no C++ one (a tensor autograd saved; torch 2.13 counts those on the Python object
+    too), no other tensor on its storage (a view, a detach)."""
+    return (_references(kept, j) == _ONLY_KEPT and kept[j]._use_count() == 1
+            and _storage_use_count(kept[j].untyped_storage()._cdata) == 2)  # (its own and the storage object's)
 
 
 def _run_in_scope(session, binding: _Binding, lent: list) -> torch.Tensor | None:
@@ -570,6 +611,7 @@ class _Binding:
         self.ort = ort_capi.SessionIOBinding(session._sess)
         self.run_options = ort.RunOptions()  # (ORT makes one for each run given None: ~1 us)
         self.bound: list = [None] * tensors  # (address, shape) of each input, then output, bound now
+        self.kept: dict[int, torch.Tensor] = {}  # output index -> the last run's tensor (recycled outputs)
         self.ids_in = torch.zeros(len(context_inputs), dtype=torch.int64)
         self.ids_out = torch.zeros(len(context_outputs), dtype=torch.int64)
         # The saved ones (the first), as a numpy view that _C.context_ids_capsule reads.

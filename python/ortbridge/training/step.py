@@ -40,6 +40,11 @@ class Step:
         self.detached = [i for i, (info, source) in enumerate(zip(meta.input_info, backward.graph.sources))
                          if source[0] == "none" and info.requires_grad and not info.is_leaf]
         self.runs_contexts = bool(backward.graph.context_args)  # (its Functions' contexts: released by a run)
+        # What only the step saves for backward is written into the last step's buffers where
+        # nothing holds them any more (GraphSession.recycle).
+        computed = [j for kind, j, *_ in forward.graph.sources[self.saved] if kind == "onnx"]
+        returned = {j for kind, j, *_ in forward.graph.sources[:self.returned] if kind == "onnx"}
+        forward.recycle([j for j in computed if j not in returned])
 
     @staticmethod
     def of(meta: ViewAndMutationMeta, sessions: list, args: list) -> Step | None:
