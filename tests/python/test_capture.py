@@ -823,8 +823,8 @@ def test_retain_graph_runs_a_steps_backward_again_unless_it_calls_functions():
 
 
 def test_a_graph_autograd_still_holds_keeps_its_saved_tensors_through_later_steps():
-    # retain_graph keeps the first step's saved tensors in autograd (references no Python
-    # object shows): the steps in between write theirs elsewhere.
+    # retain_graph keeps the first step's saved tensors in autograd: the steps in between write
+    # theirs into new buffers, and the first backward's second run reads its own.
     torch.manual_seed(0)
     eager = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4), torch.nn.Tanh())
     wrapped = ortbridge.OrtModule(copy.deepcopy(eager))
