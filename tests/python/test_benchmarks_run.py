@@ -18,7 +18,8 @@ BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
     ("onnx_train_step.py", ["--quick"], "ratio"),
     ("capture_time.py", ["--quick"], "largest phase"),
     ("step_memory.py", ["--quick", "--models", "Block", "--variants", "eager,OrtModule"], "xpeak"),
-    pytest.param("instructions.py", ["--quick"], "Ir/op", marks=pytest.mark.skipif(
+    # (--by-library: its breakdown is checked to sum to callgrind's totals)
+    pytest.param("instructions.py", ["--quick", "--by-library"], "C/C++ runtime", marks=pytest.mark.skipif(
         shutil.which("valgrind") is None, reason="needs valgrind (callgrind), which this machine lacks")),
     # (a Function that saves its input: OrtModule lends it the buffer, checked against eager)
     ("overhead.py", ["--quick", "--modes", "ortmodule", "--function", "saves", "--no-compile", "--ortmodule-ks", "1,4"],
