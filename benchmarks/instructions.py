@@ -98,10 +98,11 @@ def _group(path: str) -> str:
     return next((name for name, pattern in GROUPS if pattern.search(path)), OTHER)
 
 
-def _by_group(dump) -> collections.Counter:
-    """A callgrind dump's instructions by library group: each function's own cost lines, under
-    the object its `ob=` names (a call's cost line, after `calls=`, is the callee's, left out)."""
-    names, costs, group, after_call = {}, collections.Counter(), OTHER, False
+def _read_dump(dump) -> tuple[dict, collections.Counter]:
+    """A callgrind dump's `summary:` and `totals:` counts, and its instructions by library group:
+    each function's own cost lines, under the object its `ob=` names (a call's cost line, after
+    `calls=`, is the callee's, left out)."""
+    header, names, costs, group, after_call = {}, {}, collections.Counter(), OTHER, False
 
     def named(ref: str) -> str:  # ("(id) path" defines an id, "(id)" refers to it)
         match = re.match(r"\((\d+)\)(?: (.*))?", ref)
@@ -118,12 +119,14 @@ def _by_group(dump) -> collections.Counter:
             named(line[4:].strip())
         elif line.startswith("calls="):
             after_call = True
+        elif line.startswith(("summary:", "totals:")):
+            header[line.split(":")[0]] = int(line.split()[1])
         elif line[:1].isdigit() or line[:1] in "+-*":
             parts = line.split()
             if not after_call and len(parts) > 1:
                 costs[group] += int(parts[1])
             after_call = False
-    return costs
+    return header, costs
 
 
 def count(config: str, variant: str, k: int, calls: int) -> tuple[int, collections.Counter]:
@@ -136,10 +139,8 @@ def count(config: str, variant: str, k: int, calls: int) -> tuple[int, collectio
                        check=True, capture_output=True, text=True)
         dumps = [f for f in os.listdir(tmp) if f.startswith("callgrind.out.")]  # (the --dump's, not the exit's)
         with open(os.path.join(tmp, dumps[0])) as f:
-            by_group = _by_group(f)
-            f.seek(0)
-            header = {line.split(":")[0]: int(line.split()[1]) for line in f if line.startswith(("summary:", "totals:"))}
-        if sum(by_group.values()) != header.get("totals", sum(by_group.values())):
+            header, by_group = _read_dump(f)
+        if "totals" in header and sum(by_group.values()) != header["totals"]:
             raise RuntimeError(f"callgrind dump: libraries sum to {sum(by_group.values())}, totals {header['totals']}")
         return header.get("summary", header.get("totals")), by_group
 
