@@ -255,7 +255,7 @@ def print_inference_parts(repeats: int, target: float, warmup: int) -> None:
         return lambda: sess.run(["y"], feeds)
 
     lo, hi = KS[0], KS[-1]
-    direct = _runner._direct_apply(Clone)
+    direct = _runner.direct_apply(Clone)
     apply, from_dlpack, to_dlpack = Clone.apply, _runner._from_dlpack, _runner._to_dlpack
     with torch.no_grad():
         t_lo, t_hi, t_dlpack, t_direct, t_apply = medians(

@@ -28,7 +28,10 @@ void ReleaseContextId(dl::ManagedTensor* self) {
   // An id whose backward already took its context finds nothing (ids are 63 random bits: that a
   // new context drew the same id meanwhile is not a case to plan for).
   for (int64_t id : holder->ids) {
-    if (auto saved = Contexts().Take(id)) ReleasePython(saved->ctx);
+    if (auto saved = Contexts().Take(id)) {
+      ReleasePython(saved->ctx);
+      ReleasePython(saved->node_owner);
+    }
   }
   delete holder;
 }

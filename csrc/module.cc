@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "apply_route.h"
 #include "attribute_map.h"
 #include "attributes.h"
 #include "context_id.h"
@@ -152,6 +153,35 @@ PYBIND11_MODULE(_C, m) {
         "Until _end_saving, what a Function on this thread saves for backward from the buffers (address, "
         "bytes) is copied, anything else detached (torch's saved-tensor hooks).");
   m.def("_end_saving", &ortbridge::EndSaving);
+  m.def(
+      "_route_apply",
+      [](const py::object& descriptor, const py::object& route) {
+        if (!ortbridge::RouteApply(descriptor.ptr(), route.ptr())) throw py::error_already_set();
+      },
+      py::arg("descriptor"), py::arg("route"),
+      "Until _unroute_apply, every call of torch's C Function.apply (`descriptor`) is `route(cls, args, kwargs)`.");
+  m.def(
+      "_unroute_apply",
+      [](const py::object& descriptor) {
+        if (!ortbridge::UnrouteApply(descriptor.ptr())) throw py::error_already_set();
+      },
+      py::arg("descriptor"));
+  m.def(
+      "_apply_routed",
+      [](const py::object& descriptor) {
+        const int routed = ortbridge::ApplyRouted(descriptor.ptr());
+        if (routed < 0) throw py::error_already_set();
+        return routed == 1;
+      },
+      py::arg("descriptor"));
+  m.def(
+      "_unrouted_apply",
+      [](const py::object& descriptor) {
+        PyObject* unrouted = ortbridge::UnroutedApply(descriptor.ptr());
+        if (!unrouted) throw py::error_already_set();
+        return py::reinterpret_steal<py::object>(unrouted);
+      },
+      py::arg("descriptor"), "A classmethod descriptor calling torch's own apply, routed or not.");
   m.def("_shutdown", &ortbridge::Shutdown);
   py::module_::import("atexit").attr("register")(m.attr("_shutdown"));
 }

@@ -103,6 +103,7 @@ const TorchCalls& Torch() {
         calls.is_grad_enabled = runner.attr("_is_grad_enabled");
         calls.set_grad_enabled = runner.attr("_set_grad_enabled");
         calls.functorch_active = runner.attr("_functorch_active");
+        calls.node_owner = runner.attr("_node_owner");
         calls.tensor_type = reinterpret_cast<PyTypeObject*>(runner.attr("torch").attr("Tensor").ptr());
         calls.version = py::str("_version");
         calls.requires_grad = py::str("requires_grad");

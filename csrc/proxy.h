@@ -24,6 +24,9 @@ namespace py = pybind11;
 // entry is then the context's one allocation).
 struct SavedContext {
   py::object ctx;
+  // What keeps ctx's autograd node alive, where ctx does not own it (torch 2.12 and older: see
+  // _torch_private.CONTEXT_OWNS_NODE); null elsewhere.
+  py::object node_owner;
   const PyObject* function = nullptr;
   SmallVector<TensorMeta, 2> inputs;
   SmallVector<TensorMeta, 2> outputs;
@@ -98,6 +101,7 @@ py::module_ Runner();
 // reads off tensors.
 struct TorchCalls {
   py::object from_dlpack, to_dlpack, is_grad_enabled, set_grad_enabled, functorch_active;
+  py::object node_owner;  // None where a context owns its autograd node
   PyTypeObject* tensor_type = nullptr;
   py::str version, requires_grad, grad_fn;
 };

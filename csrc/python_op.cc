@@ -71,8 +71,14 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
         if (result.size() == n + 2) CheckInPlaceWrites(inputs, outputs, result[n + 1]);
         int64_t id = PythonContextPool::kNoContext;
         if (layout_.training_mode) {
-          id = AddContext({py::reinterpret_borrow<py::object>(result[0]), function_, {inputs.begin(), inputs.end()},
-                           {outputs.begin(), outputs.end()}});
+          SavedContext saved{py::reinterpret_borrow<py::object>(result[0]), {}, function_,
+                             {inputs.begin(), inputs.end()}, {outputs.begin(), outputs.end()}};
+          if (PyTuple_Check(saved.ctx.ptr())) {  // (ctx, what owns its node): see Context
+            py::object pair = std::move(saved.ctx);
+            saved.ctx = pair[py::int_(0)];
+            saved.node_owner = pair[py::int_(1)];
+          }
+          id = AddContext(std::move(saved));
         }
         if (context_id_output_) writer.Scalar(0, id);  // on the CUDA EP, in device memory
       } catch (py::error_already_set& e) {
@@ -179,7 +185,8 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
   }
 
   // The autograd node of a training call, which is its context (None when no output needs a
-  // gradient), as the runner's `result` finds it.
+  // gradient), as the runner's `result` finds it; (that, what keeps it alive) where a context does
+  // not own its node.
   py::object Context(const ReturnedList& outputs, const TensorViews& inputs) const {
     const TorchCalls& torch = Torch();
     for (PyObject* o : outputs) {
@@ -191,6 +198,7 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
       const bool any = PyDict_Size(attributes) > 0;
       Py_DECREF(attributes);
       if (any) Runner().attr("_own_borrowed_attributes")(ctx, BorrowedSet(inputs));
+      if (!torch.node_owner.is_none()) return py::make_tuple(ctx, Call(torch.node_owner, {o}));
       return ctx;
     }
     return py::none();

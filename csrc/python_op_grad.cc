@@ -64,6 +64,7 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
                                ? CallDirect(saved->ctx, grads)
                                : run_(saved->ctx, BorrowInputs(grads, placement_.device), AbsentGradientShapes(*saved));
         saved->ctx = py::object();  // release the context (and what it saved) before copying
+        saved->node_owner = py::object();
         const size_t n = layout_.output_tensor_types.size();
         if (result.size() != n) throw std::logic_error("the runner returned a result of the wrong length");
         for (size_t i = 0; i < n; ++i) {

@@ -5,13 +5,16 @@
 #   bash scripts/gpu_check.sh WHEEL_DIR
 #
 # WHEEL_DIR holds the onnxruntime-gpu wheel (1.27 or newer for torch's CUDA 13 builds), whole or
-# split into onnxruntime_gpu-*.whl.part-aa, -ab, ... (joined here with cat, in name order), and
+# split into onnxruntime_gpu-*.whl.part-aa, -ab, ... (joined here with cat, in name order;
+# scripts/gpu_wheels.sh makes them on a machine with a registry), and
 # optionally wheels of what the machine may lack, installed with
 # `pip install --no-index --find-links WHEEL_DIR`: the build dependencies (scikit-build-core,
 # pybind11, pathspec, packaging, ninja, cmake) and the test ones (pytest, onnx, onnxscript, onnx-ir).
 #
-# The machine: an NVIDIA GPU and driver, a CUDA 13 build of torch, nvcc (torch's cpp_extension
-# builds the example's kernels with it), Python 3.11+, a C++ compiler; no package registry needed.
+# The machine: an NVIDIA GPU and driver, a CUDA 13 build of torch 2.9 or newer (whichever it has:
+# the GPU machine's is 2.11 on Python 3.12), nvcc (torch's cpp_extension builds the example's
+# kernels with it), Python 3.11+, a C++ compiler; no package registry needed. ortbridge's _C is
+# built here, for this Python.
 # The tree must bring ONNX Runtime's C headers, third_party/onnxruntime/include: git ignores
 # third_party/, so copy that folder along with the checkout (e.g. carry it to the device machine);
 # scripts/fetch_ort_headers.sh fills it on a machine with a network. The build is told where

@@ -24,18 +24,23 @@ ORTBRIDGE_TEST_KERNEL_PATH=device $PYTHON -m pytest -q -p no:cacheprovider tests
   tests/python/test_hostile_models.py tests/python/test_threads.py "$@"
 $PYTHON -m pytest -q $models "$@"
 
-# The library's tests again on the oldest ONNX Runtime releases the library supports (1.19.2 is the
-# last onnxruntime-training; 1.20.1's wheel is built with C++ library assertions on). The model
-# suites (no kernel code of their own) run once, above, and so do the wheel's and OnnxModule's tests
-# and the graph fuzzer: on 1.19 a
-# hostile node with fewer outputs than its attributes trips ORT's own unchecked index in custom-op
-# shape inference (an assertion abort inside ORT; 1.20 checks it), so its guarantee starts at 1.20.
+# The kernels' suites again on the oldest ONNX Runtime releases the library supports (1.19.2 is the
+# last onnxruntime-training; 1.20.1's wheel is built with C++ library assertions on): the suites of
+# what ONNX Runtime runs (kernels, export, training). The rest runs once, above: the model suites (no
+# kernel code of their own), the benchmarks' checks, the wheel's and OnnxModule's tests, and the
+# graph fuzzer (on 1.19 a hostile node with fewer outputs than its attributes trips ORT's own
+# unchecked index in custom-op shape inference: an assertion abort inside ORT; 1.20 checks it, so
+# that guarantee starts at 1.20).
+kernel_suites="tests/python/test_inference.py tests/python/test_training_graph.py tests/python/test_inplace.py
+  tests/python/test_errors.py tests/python/test_hostile_models.py tests/python/test_threads.py
+  tests/python/test_lifecycle.py tests/python/test_registry.py tests/python/test_convert.py
+  tests/python/test_device_path.py tests/python/test_export.py tests/python/test_training.py
+  tests/python/test_capture.py"
 for version in ${ORT_COMPAT_VERSIONS-1.19.2 1.20.1}; do
   target=build/onnxruntime-$version
   [ -d "$target/onnxruntime" ] || $PYTHON -m pip install -q --no-deps --target "$target" "onnxruntime==$version"
   echo "== onnxruntime $version"
-  PYTHONPATH="$target" $PYTHON -m pytest -q -p no:cacheprovider tests/python $without_models \
-    --ignore=tests/python/test_fuzz.py --ignore=tests/python/test_wheel.py --ignore=tests/python/test_onnx_module.py "$@"
+  PYTHONPATH="$target" $PYTHON -m pytest -q -p no:cacheprovider $kernel_suites "$@"
 done
 
 # OnnxModule's other gradient path: onnxruntime-training's own gradient builder (1.19.2, the last
@@ -45,3 +50,19 @@ target=build/onnxruntime-training-1.19.2
   $PYTHON -m pip install -q --no-deps --target "$target" "onnxruntime-training-cpu==1.19.2"
 echo "== onnxruntime-training 1.19.2"
 PYTHONPATH="$target" $PYTHON -m pytest -q -p no:cacheprovider tests/python/test_onnx_module.py "$@"
+
+# The compatibility suite on other torch releases, each in a virtual environment of its own
+# (scripts/compat_env.sh: registry wheels): the oldest supported, the GPU machine's (2.11, on
+# Python 3.12) and the newest, on each Python the package supports. What differs between releases:
+# kernels, both export paths, OrtModule and torch.compile training (a CNN, a transformer block, timm
+# and Hugging Face models, checkpointing), OnnxModule, and where torch's private APIs are reached.
+compat_suites="tests/python/test_inference.py tests/python/test_training_graph.py tests/python/test_inplace.py
+  tests/python/test_errors.py tests/python/test_export.py tests/python/test_training.py
+  tests/python/test_capture.py tests/python/test_onnx_module.py tests/python/test_real_models.py
+  tests/python/test_private_apis.py"
+for cell in ${TORCH_COMPAT-2.9.1:3.11 2.11.0:3.12 2.15.0:3.13}; do
+  echo "== torch ${cell%%:*} on Python ${cell##*:}"
+  python=$(bash scripts/compat_env.sh "${cell%%:*}" "${cell##*:}" | tail -n 1)
+  (cd examples && "../$python" quickstart.py >/dev/null)
+  "$python" -m pytest -q -p no:cacheprovider $compat_suites "$@"
+done

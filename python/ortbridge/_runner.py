@@ -20,31 +20,19 @@ import traceback
 import torch
 from torch.autograd.function import FunctionCtx
 
-from . import _C, _dtypes, _literals, registry
-from .core.functions import uses_setup_context
+from . import _C, _dtypes, _literals, _torch_private, registry
+from ._torch_private import bound_apply, direct_apply, uses_setup_context
 
-_from_dlpack = getattr(torch._C, "_from_dlpack", torch.utils.dlpack.from_dlpack)
+# (the kernels call these: csrc/proxy.cc, Torch())
+_from_dlpack = _torch_private.from_dlpack
 _to_dlpack = torch.utils.dlpack.to_dlpack
 _is_grad_enabled = torch.is_grad_enabled
-_set_grad_enabled = torch._C._set_grad_enabled
+_set_grad_enabled = _torch_private.set_grad_enabled
+_functorch_active = _torch_private.functorch_transforms_active
+_node_owner = _torch_private.node_owner  # (None where a context owns its autograd node)
 # (csrc/saved_tensors.cc installs its hooks with these)
-_push_saved_hooks = torch._C._autograd._push_saved_tensors_default_hooks
-_pop_saved_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
-
-_functorch_active = torch._C._are_functorch_transforms_active
-
-
-
-def _direct_apply(func: type):
-    """`func.apply` without torch's Python wrapper, where that wrapper would only pass the
-    arguments on: apply is not overridden and there is no setup_context (whose default arguments
-    the wrapper binds). Saves about 2 us a call; None where it does not apply."""
-    base_apply = torch._C._FunctionBase.__dict__.get("apply")
-    if (base_apply is None
-            or getattr(func.apply, "__func__", None) is not torch.autograd.Function.apply.__func__
-            or uses_setup_context(func)):
-        return None
-    return base_apply.__get__(None, func)
+_push_saved_hooks = _torch_private.push_saved_tensors_default_hooks
+_pop_saved_hooks = _torch_private.pop_saved_tensors_default_hooks
 
 
 def format_exception(exc: BaseException, tb=None) -> str:
@@ -167,11 +155,12 @@ class ForwardNode(_Node):
     def __init__(self, layout: _C.ForwardLayout, device: str = "cpu"):
         super().__init__(device)
         self.func = registry.lookup(layout.func_name)
+        self.apply = bound_apply(self.func)
         safe = layout.safe_run_mode
         args = _arguments(layout)
         # How forward runs unless a functorch transform is active (which needs Function.apply):
         # apply without its pass-through wrapper, or forward itself with safe_run_mode=0.
-        self.fast_call = _direct_apply(self.func) if safe else _forward_without_autograd(self.func, len(args))
+        self.fast_call = direct_apply(self.func) if safe else _forward_without_autograd(self.func, len(args))
         self.name = registry.qualified_name(self.func)
         self.forward_output = f"{self.name}.forward output"
         self.args = args
@@ -188,7 +177,7 @@ class ForwardNode(_Node):
         # positions, those positions); None where `run` is needed (also for a training call that
         # updates an input in place, whose input then becomes a copy).
         direct = not self.mutable and self.on_cpu and not (self.training and self.updated)
-        self.direct = (self.fast_call or self.func.apply, tuple(args), tuple(self.tensor_positions)) if direct else None
+        self.direct = (self.fast_call or self.apply, tuple(args), tuple(self.tensor_positions)) if direct else None
 
     def run(self, capsules: tuple) -> tuple:
         """(autograd context or None, one capsule per output[, indices of inputs modified in place])."""
@@ -206,7 +195,7 @@ class ForwardNode(_Node):
             _set_grad_enabled(training)
         try:
             outputs = (self.fast_call(*args) if self.fast_call and not _functorch_active()
-                       else self.func.apply(*args))
+                       else self.apply(*args))
         finally:
             if grad_was_enabled != training:
                 _set_grad_enabled(grad_was_enabled)
@@ -254,14 +243,15 @@ class ForwardNode(_Node):
 
     @staticmethod
     def _context(outputs: tuple, borrowed: set):
-        """The autograd node of the call, which is its context; None when no output needs a
+        """The autograd node of the call, which is its context, or (that, what keeps it alive)
+        where the context does not own its node (_node_owner); None when no output needs a
         gradient."""
         for o in outputs:
             ctx = getattr(o, "grad_fn", None)
             if ctx is not None:
                 if vars(ctx):
                     _own_borrowed_attributes(ctx, borrowed)
-                return ctx
+                return ctx if _node_owner is None else (ctx, _node_owner(o))
         return None
 
     def _modified_inputs(self, tensors: list, outputs: tuple) -> list:

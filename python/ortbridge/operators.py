@@ -18,6 +18,7 @@ import threading
 import torch
 
 from . import _C
+from ._torch_private import OpOverload, OpOverloadPacket
 
 _NAME = re.compile(r"([A-Za-z][A-Za-z0-9_]*)::([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)\Z")
 # Never from a model file: reading a file it names, memory without bounds checks (_reshape_alias)
@@ -45,7 +46,7 @@ def is_operator_name(func_name: str) -> bool:
     return "::" in func_name
 
 
-def name_of(op: torch._ops.OpOverload) -> str:
+def name_of(op: OpOverload) -> str:
     """The func_name of an operator: `namespace::op.overload`."""
     return f"{op.namespace}::{op._schema.name.split('::', 1)[1]}.{op._overloadname}"
 
@@ -58,7 +59,7 @@ def function(func_name: str) -> type:
     return found
 
 
-def _resolve(func_name: str) -> torch._ops.OpOverload:
+def _resolve(func_name: str) -> OpOverload:
     match = _NAME.match(func_name)
     if not match:
         raise LookupError(f"func_name '{func_name}' is not an operator name of the form namespace::op.overload")
@@ -69,7 +70,7 @@ def _resolve(func_name: str) -> torch._ops.OpOverload:
     if _DENIED.match(op):
         raise LookupError(f"func_name '{func_name}': this operator is not allowed in a graph")
     packet = getattr(getattr(torch.ops, namespace), op, None) if not op.startswith("__") else None
-    if not isinstance(packet, torch._ops.OpOverloadPacket) or overload not in packet.overloads():
+    if not isinstance(packet, OpOverloadPacket) or overload not in packet.overloads():
         raise LookupError(f"func_name '{func_name}' names no operator registered with torch in this process")
     found = getattr(packet, overload)
     if found._schema.is_mutable:  # (in-place and out= overloads would write into ONNX Runtime's buffers)
@@ -129,7 +130,7 @@ def _batch_norm_into_outputs(op, input, weight, bias, running_mean, running_var,
 _INTO_OUTPUTS = {"aten::_native_batch_norm_legit_functional.default": _batch_norm_into_outputs}
 
 
-def _make_function(func_name: str, op: torch._ops.OpOverload) -> type:
+def _make_function(func_name: str, op: OpOverload) -> type:
     into_outputs = _INTO_OUTPUTS.get(func_name)
     call = functools.partial(into_outputs, op) if into_outputs else op
 

@@ -14,6 +14,7 @@ import torch
 from torch.autograd.function import FunctionCtx
 
 from . import operators
+from ._torch_private import backward_class
 
 _lock = threading.Lock()
 _functions: dict[str, type] = {}
@@ -105,7 +106,7 @@ def pinned_object(key: int) -> object:
 
 def _track_materialize_grads(cls: type) -> None:
     # torch keeps ctx.materialize_grads write-only; record the value where the runner can read it.
-    backward_cls = cls._backward_cls
+    backward_cls = backward_class(cls)
     if "set_materialize_grads" in backward_cls.__dict__:
         return
 

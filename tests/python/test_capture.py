@@ -10,6 +10,8 @@ import functools
 import gc
 import logging
 import os
+import subprocess
+import sys
 
 import numpy as np
 import onnx
@@ -18,7 +20,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import ortbridge
-from ortbridge import registry
+from ortbridge import _torch_private, registry
+from ortbridge.core.interception import intercepted
 from test_training import _all_captures, train_like_eager
 
 F = torch.nn.functional
@@ -173,6 +176,14 @@ def _closure():
     return lambda h: apply(h)
 
 
+class HalfGelu(Gelu):
+    """Overrides apply, calling torch's through super()."""
+
+    @classmethod
+    def apply(cls, x):
+        return super().apply(x) * 0.5
+
+
 class EveryWay(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -183,14 +194,20 @@ class EveryWay(torch.nn.Module):
 
     def forward(self, x):
         h = self.lin(x)
-        return Gelu.apply(h) + self.bound(h * 2) + self.partial(h * 3) + self.closure(h * 4) + _aliased(h * 5)
+        return (Gelu.apply(h) + self.bound(h * 2) + self.partial(h * 3) + self.closure(h * 4) + _aliased(h * 5)
+                + HalfGelu.apply(h * 6))
+
+
+def _every_way_counted(names: list) -> tuple:
+    return names.count(registry.qualified_name(Gelu)), names.count(registry.qualified_name(HalfGelu))
 
 
 def test_every_way_of_reaching_apply_is_a_python_op_in_training():
     torch.manual_seed(0)
     wrapped = train_like_eager(EveryWay())
-    assert _graph_nodes(wrapped, 0).count(registry.qualified_name(Gelu)) == 5
-    assert _graph_nodes(wrapped, 1).count(registry.qualified_name(Gelu)) == 5
+    assert _every_way_counted(_graph_nodes(wrapped, 0)) == (5, 1)
+    assert _every_way_counted(_graph_nodes(wrapped, 1)) == (5, 1)
+    assert not _torch_private.apply_routed()
 
 
 @pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "torchscript"])
@@ -198,10 +215,83 @@ def test_every_way_of_reaching_apply_is_a_python_op_in_export(dynamo):
     model = EveryWay().eval()
     x = torch.randn(3, 4)
     proto = ortbridge.export(model, (x,), dynamo=dynamo, all_functions=True)
-    assert _ortbridge_nodes(proto).count(registry.qualified_name(Gelu)) == 5
+    assert _every_way_counted(_ortbridge_nodes(proto)) == (5, 1)
+    assert not _torch_private.apply_routed()
     session = ortbridge.InferenceSession(proto.SerializeToString())
     (y,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
     np.testing.assert_allclose(y, model(x).detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_apply_stored_before_ortbridge_was_imported_is_a_python_op():
+    # (a subprocess: here ortbridge is imported already)
+    code = """
+import torch
+class Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+double = Double.apply
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+    def forward(self, x):
+        return double(self.lin(x))
+import ortbridge
+model = Model()
+x = torch.randn(2, 3)
+wrapped = ortbridge.OrtModule(model)
+(wrapped(x).sum() * 1).backward()
+assert torch.allclose(wrapped(x), model(x))
+(capture,) = [c for cs in wrapped._captures.values() for c in cs]
+names = [n.op_type for n in capture.sessions[0].model.graph.node if n.domain == "ortbridge"]
+print(names)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "['PythonOp']"
+
+
+def test_apply_is_routed_only_during_a_capture_and_calls_cost_the_same_outside():
+    calls = []
+
+    def hook(cls, original, args, kwargs):
+        calls.append(cls)
+        return original(*args, **kwargs)
+
+    x = torch.randn(3, requires_grad=True)
+    stored = Gelu.apply
+    assert not _torch_private.apply_routed()
+    with intercepted({Gelu}, hook):
+        assert _torch_private.apply_routed()
+        stored(x), HalfGelu.apply(x), Noise.apply(x)
+    assert not _torch_private.apply_routed()
+    stored(x)
+    assert calls == [Gelu]  # (HalfGelu and Noise are not asked for)
+
+
+@pytest.mark.skipif(not _torch_private.APPLY_IN_C, reason="torch < 2.14: Function.apply is a Python function here")
+@pytest.mark.parametrize("descriptor, match", [
+    (str.__dict__["join"], "is a method_descriptor, not a classmethod descriptor"),
+    (dict.__dict__["fromkeys"], "calling convention flags 0x"),
+])
+def test_a_c_apply_of_another_shape_is_refused_naming_what_changed(descriptor, match):
+    from ortbridge import _C
+
+    with pytest.raises(RuntimeError, match=match):
+        _C._route_apply(descriptor, lambda cls, args, kwargs: None)
+    with pytest.raises(RuntimeError, match=match):
+        _C._unrouted_apply(descriptor)
+
+
+def test_a_torch_older_than_the_oldest_supported_is_refused_at_import():
+    code = "import torch; torch.__version__ = '2.8.0'; import ortbridge"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "ImportError: ortbridge needs torch 2.9 or later; this is torch 2.8.0" in proc.stderr
 
 
 # --- every call its own node --------------------------------------------------------------------

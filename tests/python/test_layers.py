@@ -11,7 +11,10 @@ import copy
 import pytest
 import torch
 
+from onnxruntime.capi.onnxruntime_pybind11_state import Fail
+
 import ortbridge
+from ortbridge._torch_private import RELEASE
 
 nn = torch.nn
 F = torch.nn.functional
@@ -68,8 +71,15 @@ def x(*shape, **kw):
     return lambda: rand(*shape, **kw)
 
 
-def case(name, module, make_inputs, **tolerance):
-    return pytest.param(module, make_inputs, tolerance, id=name)
+def case(name, module, make_inputs, marks=(), **tolerance):
+    return pytest.param(module, make_inputs, tolerance, id=name, marks=marks)
+
+
+# (a clear error, not a result: the test fails where the capture succeeds)
+_LSTM_SQUEEZE = pytest.mark.xfail(
+    RELEASE < (2, 10), strict=True, raises=Fail,
+    reason="torch 2.9 traces this LSTM with a squeeze of a dim of size 2 (torch's own export of it gives h_n a "
+           "shape of [2, 1, 2, 5], eager [2, 2, 5]), which ONNX Runtime's Squeeze refuses")
 
 
 # --- the table --------------------------------------------------------------------------------
@@ -138,9 +148,10 @@ EMBEDDING = [
 ]
 
 RECURRENT = [
-    case("lstm_two_layers", lambda: nn.LSTM(4, 5, num_layers=2, batch_first=True), inputs(x(2, 3, 4))),
+    case("lstm_two_layers", lambda: nn.LSTM(4, 5, num_layers=2, batch_first=True), inputs(x(2, 3, 4)),
+         marks=_LSTM_SQUEEZE),
     case("lstm_initial_state", lambda: nn.LSTM(4, 5),
-         inputs(x(3, 2, 4), lambda: (rand(1, 2, 5, seed=6), rand(1, 2, 5, seed=7)))),
+         inputs(x(3, 2, 4), lambda: (rand(1, 2, 5, seed=6), rand(1, 2, 5, seed=7))), marks=_LSTM_SQUEEZE),
     case("gru_bidirectional", lambda: nn.GRU(4, 5, bidirectional=True, batch_first=True), inputs(x(2, 3, 4))),
     case("rnn_tanh", lambda: nn.RNN(4, 5), inputs(x(3, 2, 4))),
     case("rnn_relu", lambda: nn.RNN(4, 5, nonlinearity="relu", num_layers=2), inputs(x(3, 2, 4))),

@@ -17,6 +17,7 @@ import torch
 
 import ortbridge
 import training_functions as tf
+from ortbridge import _torch_private
 from training_functions import Apply
 
 F = torch.nn.functional
@@ -433,6 +434,40 @@ def test_thousand_steps_keep_memory_flat():
     assert rss[1] < 4 * 2 ** 20, f"RSS grew by {[r / 2 ** 20 for r in rss]} MiB per 1,000 steps"
 
 
+class _SavesInput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * x
+
+
+@pytest.mark.parametrize("owner", [True, False], ids=["with-node-owner", "without"])
+def test_a_context_outlives_its_outputs_where_its_node_is_kept(owner):
+    # A training PythonOp keeps a Function's context after ORT took its outputs' values. Up to
+    # torch 2.12 the context does not own its autograd node, and what it saved goes with the node:
+    # _torch_private.node_owner keeps the node. The release branch is checked here too: without an
+    # owner, the context outlives its outputs exactly where CONTEXT_OWNS_NODE says it does.
+    assert (_torch_private.node_owner is None) == _torch_private.CONTEXT_OWNS_NODE
+    x = torch.randn(3, requires_grad=True)
+    out = _SavesInput.apply(x)
+    ctx = out.grad_fn
+    kept = _torch_private._node_owner(out) if owner else None
+    del out
+    gc.collect()
+    if owner or _torch_private.CONTEXT_OWNS_NODE:
+        (saved,) = ctx.saved_tensors
+        assert torch.equal(saved, x)
+    else:
+        with pytest.raises(RuntimeError, match="saved tensors after they have already been freed"):
+            ctx.saved_tensors
+    del kept
+
+
 # --- capture ----------------------------------------------------------------------------------
 
 def test_recapture_when_the_signature_changes_only():
@@ -659,12 +694,22 @@ def test_torch_compile_finds_the_backend_without_importing_ortbridge():
     assert run.stdout.split() == ["True", "torch.Size([2,", "3])"]
 
 
-def test_torch_compile_backend():
+@pytest.mark.parametrize("call", [lambda m, h: tf.BiasGelu.apply(h, m.bias), lambda m, h: tf.SiLUSavingInput.apply(h + m.bias)],
+                         ids=["backward-runs-autograd", "plain"])
+def test_torch_compile_backend(call):
+    # (NumpyScale splits the graph: dynamo cannot trace numpy, so it runs eagerly between two graphs.)
+    def model():
+        torch.manual_seed(0)
+        return Apply(lambda m, h: tf.NumpyScale.apply(call(m, h), 1.5), bias=torch.nn.Parameter(torch.randn(6)))
+
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = Apply(lambda m, h: tf.NumpyScale.apply(tf.BiasGelu.apply(h, m.bias), 1.5),
-                  bias=torch.nn.Parameter(torch.randn(6)))
-    compiled = train_like_eager(model, wrap=lambda m: torch.compile(m, backend="ortbridge"))
+    try:
+        train_like_eager(model(), wrap=lambda m: torch.compile(m, backend="eager"))
+    except AssertionError as e:  # (torch 2.11's dynamo gives BiasGelu's graph an output without gradient)
+        pytest.xfail(f"torch {torch.__version__}'s own torch.compile(backend='eager') differs from eager: "
+                     f"{str(e).splitlines()[0]}")
+    torch._dynamo.reset()
+    compiled = train_like_eager(model(), wrap=lambda m: torch.compile(m, backend="ortbridge"))
     assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
 
 

@@ -8,6 +8,11 @@ import numpy as np
 import torch
 
 import ortbridge
+from ortbridge._torch_private import RELEASE
+
+# Before torch 2.13, apply binds a setup_context Function's keyword arguments but then passes them
+# on to its C function, which refuses them ("apply() takes no keyword arguments"), in eager too.
+APPLY_TAKES_KEYWORDS = RELEASE >= (2, 13)
 
 
 @ortbridge.register
@@ -53,7 +58,9 @@ class Block(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.linspace(-1, 1, width))
 
     def forward(self, x):
-        return BiasGelu.apply(0.1, self.linear(x), self.bias, approximate="none")
+        if APPLY_TAKES_KEYWORDS:
+            return BiasGelu.apply(0.1, self.linear(x), self.bias, approximate="none")
+        return BiasGelu.apply(0.1, self.linear(x), self.bias, "none")
 
 
 class Net(torch.nn.Module):

@@ -10,21 +10,19 @@ translates it as torch.onnx.export(dynamo=True) would, without decomposing it a 
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import inspect
 import itertools
 import logging
 import re
-import types
 
 import onnx
 import torch
-import torch.utils._pytree as pytree
 from torch.export.graph_signature import TensorArgument
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
 
 from .. import _dtypes, operators
+from .._torch_private import (OpOverload, detect_fake_mode, fx_config, onnx_decompositions, onnx_exporter,
+                              onnx_opsets, onnx_registry, pytree, remove_assertion_nodes)
 from .functions import ExportError
 from .nodes import Arguments, emit_python_op
 
@@ -45,26 +43,6 @@ PYTORCH_PREFERRED: set = {aten._embedding_bag.default, aten._native_batch_norm_l
                           aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
 
 
-def _opsets(opset_version: int | None) -> tuple[int, int]:
-    """(the model's opset, its translations' opset) as torch.onnx.export(dynamo=True) picks them:
-    torch's default opset where None; translations no older than torchlib's (converted after)."""
-    from torch.onnx import _constants as onnx_constants
-    from torch.onnx._internal.exporter import _constants
-
-    opset_version = opset_version or onnx_constants.ONNX_DEFAULT_OPSET
-    return opset_version, max(opset_version, _constants.TORCHLIB_OPSET)
-
-
-@functools.cache
-def _onnx_registry(registry_opset: int):
-    """torch's ONNX translations for one opset, built once: torch.onnx.export builds them at each
-    call (about a second). Translation only reads them, and ortbridge registers none of its own
-    (PythonOp nodes are torch.onnx.ops.symbolic_multi_out calls, which torchlib translates)."""
-    from torch.onnx._internal.exporter import _registration
-
-    return _registration.ONNXRegistry.from_torchlib(opset_version=registry_opset)
-
-
 def _safe_softmax(x: torch.Tensor, dim: int, dtype=None) -> torch.Tensor:
     """torch's decomposition of _safe_softmax (attention's softmax: 0 for a row of -inf, where
     softmax gives NaN), with the rows of -inf found by two reductions instead of an Equal and a
@@ -78,18 +56,17 @@ def _safe_softmax(x: torch.Tensor, dim: int, dtype=None) -> torch.Tensor:
 
 @functools.cache
 def _decompositions(registry_opset: int) -> tuple[frozenset, dict]:
-    """(the operators torch's exporter translates, the decompositions it applies to the others)."""
-    from torch.onnx._internal.exporter import _decomp
-
-    translated = frozenset(_decomp.get_onnx_implemented_overloads(_onnx_registry(registry_opset)))
-    table = _decomp.create_onnx_friendly_decomposition_table(translated)
+    """(the operators torch's exporter translates, the decompositions it applies to the others).
+    (The translations: ortbridge's one copy, built once, as it registers none of its own: PythonOp
+    nodes are torch.onnx.ops.symbolic_multi_out calls, which torchlib translates.)"""
+    translated, table = onnx_decompositions(onnx_registry(registry_opset))
     if aten._safe_softmax.default in table:
         table[aten._safe_softmax.default] = _safe_softmax
     return translated, table
 
 
 def _needs_fallback(node: torch.fx.Node, translated: frozenset, in_pytorch=frozenset()) -> bool:
-    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+    return (node.op == "call_function" and isinstance(node.target, OpOverload)
             and (node.target not in translated or node.target in PYTORCH_PREFERRED or node.name in in_pytorch))
 
 
@@ -120,14 +97,12 @@ def exportable(program: torch.export.ExportedProgram, in_pytorch=frozenset(),
     """`program` decomposed as torch's ONNX exporter would decompose it for `opset_version`, each
     call of an operator it cannot write a fallback node; to_onnx translates it. `in_pytorch`:
     names of nodes of the decomposed program to run as fallback nodes too."""
-    from torch.onnx._internal.exporter import _fx_passes
-
-    translated, table = _decompositions(_opsets(opset_version)[1])
+    translated, table = _decompositions(onnx_opsets(opset_version)[1])
     # (as torch's exporter decomposes: a dynamic dim may have an example size of 0 or 1)
-    with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+    with fx_config.patch(backed_size_oblivious=True):
         # Decomposed as torch's exporter would decompose it (less the operators PyTorch runs faster).
         decomposed = program.run_decompositions({op: f for op, f in table.items() if op not in PYTORCH_PREFERRED})
-        _fx_passes.remove_assertion_nodes(decomposed.graph_module)  # (torch's exporter drops them too)
+        remove_assertion_nodes(decomposed.graph_module)  # (torch's exporter drops them too)
         fallbacks = [n for n in decomposed.graph.nodes if _needs_fallback(n, translated, in_pytorch)]
         if not fallbacks:
             return decomposed
@@ -192,7 +167,7 @@ def _emit_in_place(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
         return node.target(*args, **kwargs)
 
     values = [a.meta["val"] for a in inputs]
-    with torch._guards.detect_fake_mode([*values, *operators.flatten_outputs(node.meta["val"])]):
+    with detect_fake_mode([*values, *operators.flatten_outputs(node.meta["val"])]):
         traced = make_fx(call)(*values)
     for emitted in (n for n in traced.graph.nodes if n.op == "call_function"):
         # Named after the node they replace: the graph's namespace does not know the names
@@ -215,41 +190,21 @@ def to_onnx(program: torch.export.ExportedProgram, opset_version: int | None = N
     """`program` as exportable returns it, as ONNX: what torch.onnx.export(program, dynamo=True,
     opset_version=opset_version) writes (optimized), with ortbridge's one copy of torch's ONNX
     translations and without decomposing the program again."""
-    opset_version, registry_opset = _opsets(opset_version)
-    exporter = _torch_exporter()
+    opset_version, registry_opset = onnx_opsets(opset_version)
+    exporter = onnx_exporter()
     if exporter.export is None:  # (the public export, which builds its own translations)
         return torch.onnx.export(program, (), dynamo=True, opset_version=opset_version, verbose=False).model_proto
-    registry = _onnx_registry(registry_opset)
+    registry = onnx_registry(registry_opset)
     if exporter.translate is None:  # (torch's export, which decomposes again)
         return exporter.export(program, registry=registry, opset_version=opset_version, verbose=False).model_proto
     # torch's export of an ExportedProgram after its decomposition (_core.export).
-    with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+    with fx_config.patch(backed_size_oblivious=True):
         exporter.insert_type_promotion_nodes(program.graph_module)
         exporter.remove_assertion_nodes(program.graph_module)
     onnx_program = exporter.translate(program, registry=registry)
     onnx_program.model = exporter.convert_version(onnx_program.model, opset_version)
     onnx_program.optimize()
     return onnx_program.model_proto
-
-
-@functools.cache
-def _torch_exporter() -> types.SimpleNamespace:
-    """The private functions of torch's exporter that to_onnx calls. `export` (torch.onnx.export's
-    own call) and `translate` (with the steps around it, from _core.export's code) are None where
-    this torch lacks them, or their `registry` parameter."""
-    def taking_registry(function):
-        return function if "registry" in inspect.signature(function).parameters else None
-
-    exporter = types.SimpleNamespace(export=None, translate=None)
-    with contextlib.suppress(ImportError, AttributeError):  # (in order: `translate` last, with all it needs)
-        from torch.onnx._internal.exporter import _core, _fx_passes
-
-        exporter.export = taking_registry(_core.export)
-        exporter.insert_type_promotion_nodes = _fx_passes.insert_type_promotion_nodes
-        exporter.remove_assertion_nodes = _fx_passes.remove_assertion_nodes
-        exporter.convert_version = _core.onnxscript_apis.convert_version
-        exporter.translate = taking_registry(_core._exported_program_to_onnx_program)
-    return exporter
 
 
 def _layout(args: tuple, kwargs: dict) -> tuple[tuple, tuple, list]:
@@ -268,7 +223,7 @@ def _layout(args: tuple, kwargs: dict) -> tuple[tuple, tuple, list]:
 _call_numbers = itertools.count()  # numbers every fallback call: no optimizer may merge two of them
 
 
-def _emitter(op: torch._ops.OpOverload):
+def _emitter(op: OpOverload):
     name = operators.name_of(op)
 
     def emit(*args, **kwargs):
@@ -289,7 +244,7 @@ def _emitter(op: torch._ops.OpOverload):
     return emit
 
 
-def _masked(op: torch._ops.OpOverload, result, args: tuple, kwargs: dict):
+def _masked(op: OpOverload, result, args: tuple, kwargs: dict):
     """`result` with None for each output an `output_mask` argument leaves out, which the
     operator returns as None when it runs (native_batch_norm_backward's meta function, which the
     trace runs, gives a tensor there): the node's outputs are those it returns."""

@@ -4,17 +4,11 @@ from __future__ import annotations
 
 import inspect
 
-import torch
+from .._torch_private import uses_setup_context
 
 
 class ExportError(TypeError):
     """A model or argument ortbridge cannot turn into ONNX; the message says what to do."""
-
-
-def uses_setup_context(func: type) -> bool:
-    """Whether a Function defines setup_context; then torch's apply binds keyword and defaulted
-    arguments to positions (torch >= 2.0)."""
-    return torch.autograd.function._is_setup_context_defined(func.setup_context)
 
 
 def bind(func: type, args: tuple, kwargs: dict) -> tuple:

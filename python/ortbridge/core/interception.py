@@ -2,9 +2,9 @@
 
 A model reaches a Function's apply in many ways: `Fn.apply(x)` in forward, `self.act = Fn.apply`
 stored at construction, a module-level alias, a closure, functools.partial, an `apply` override
-that calls super().apply. Each holds (or reaches) the one function object behind
-`torch.autograd.Function.apply`, so routing is done there, by giving that function object
-another code object while a hook is active: every way in is seen. Hooks are one thread at a
+that calls super().apply. All of them end in one function of torch's, so routing is done there,
+while a hook is active (_torch_private.route_apply: a Python function's code object up to torch
+2.13, a C function's method entry from 2.14): every way in is seen. Hooks are one thread at a
 time; other threads, and Functions the hook did not ask for, run torch's apply unchanged.
 """
 
@@ -13,41 +13,24 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-import types
 
 import torch
 
-_APPLY = torch.autograd.Function.apply.__func__  # what every bound `Fn.apply` calls
-_TORCH_CODE = _APPLY.__code__
-# torch's apply as a function object of its own (its zero-argument super() reads the same cell).
-_torch_apply = types.FunctionType(_TORCH_CODE, _APPLY.__globals__, "apply", _APPLY.__defaults__, _APPLY.__closure__)
-
-
-def _routing_code() -> types.CodeType:
-    __class__ = None  # the one free variable of torch's apply (super()'s cell): the closure fits
-
-    def apply(cls, *args, **kwargs):
-        return __class__._ortbridge_route(cls, args, kwargs)
-
-    return apply.__code__
-
-
-_ROUTING_CODE = _routing_code()
-_local = threading.local()  # .hooks: this thread's stack of (classes, hook)
-_lock = threading.RLock()  # (reentrant: a Function's forward may export or capture)
-_active = 0
+from .._torch_private import route_apply, torch_apply, unroute_apply
 
 
 def _route(cls, args, kwargs):
     hooks = getattr(_local, "hooks", None)
-    if hooks:
+    if hooks and issubclass(cls, torch.autograd.Function):  # (not functorch's own _SingleLevelFunctions)
         classes, hook = hooks[-1]
         if classes is None or cls in classes:
-            return hook(cls, functools.partial(_torch_apply, cls), args, kwargs)
-    return _torch_apply(cls, *args, **kwargs)
+            return hook(cls, functools.partial(torch_apply, cls), args, kwargs)
+    return torch_apply(cls, *args, **kwargs)
 
 
-torch.autograd.Function._ortbridge_route = staticmethod(_route)
+_local = threading.local()  # .hooks: this thread's stack of (classes, hook)
+_lock = threading.RLock()  # (reentrant: a Function's forward may export or capture)
+_active = 0
 
 
 @contextlib.contextmanager
@@ -60,7 +43,7 @@ def intercepted(classes, hook):
     # One thread at a time: torch's tracers patch process-wide state of their own too.
     with _lock:
         if _active == 0:
-            _APPLY.__code__ = _ROUTING_CODE
+            route_apply(_route)
         _active += 1
         hooks.append((classes, hook))
         try:
@@ -69,7 +52,7 @@ def intercepted(classes, hook):
             hooks.pop()
             _active -= 1
             if _active == 0:
-                _APPLY.__code__ = _TORCH_CODE
+                unroute_apply()
 
 
 _MISSING = object()

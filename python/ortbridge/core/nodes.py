@@ -14,6 +14,7 @@ import onnx
 import torch
 
 from .. import _dtypes, _literals, registry
+from .._torch_private import ONNX_REGISTRATION_LOGGER
 from .functions import ExportError
 
 DOMAIN = "ortbridge"
@@ -238,7 +239,7 @@ def names_read(graph: onnx.GraphProto):
 @contextlib.contextmanager
 def quiet_exporter():
     """torch's exporter logs warnings about optional packages that do not concern the user."""
-    logger = logging.getLogger("torch.onnx._internal.exporter._registration")
+    logger = logging.getLogger(ONNX_REGISTRATION_LOGGER)
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:

@@ -9,6 +9,7 @@ import onnx
 import torch
 
 from .. import _dtypes, registry
+from .._torch_private import DYNAMO_FUNCTION_MODULE, pytree, saved_tensors_hooks_enabled
 from .functions import ExportError, bind
 from .interception import intercepted
 from .nodes import DOMAIN, Arguments
@@ -159,11 +160,6 @@ class CallTable:
                               "functools.partial of it), the same way on every run with these inputs.")
 
 
-# Where torch.compile's autograd_function_apply makes the Function class it applies for a
-# Function dynamo traced (a new class on each call: its operators are in the graph already).
-_DYNAMO_TEMPLATES = "torch._functorch.autograd_function"
-
-
 class Recorder:
     """Runs the model once eagerly and records each top-level call of an exported Function:
     registered ones, or every Function with `all_functions` (those are registered here, under
@@ -177,7 +173,7 @@ class Recorder:
         self._depth = 0
 
     def selected_name(self, func: type) -> str | None:
-        if func.__module__ == _DYNAMO_TEMPLATES:  # a graph from dynamo, which inlined this Function already
+        if func.__module__ == DYNAMO_FUNCTION_MODULE:  # a graph from dynamo, which inlined this Function already
             return None
         name = registry.registered_name(func)
         if name is None and self.all_functions:
@@ -190,7 +186,7 @@ class Recorder:
         arguments it updates in place (a dynamo graph's buffers are arguments) and the random
         number generator are as they were, so the export sees the model as it was."""
         grad = torch.enable_grad() if self.training else torch.no_grad()
-        arguments = [x for x in torch.utils._pytree.tree_leaves((args, kwargs))
+        arguments = [x for x in pytree.tree_leaves((args, kwargs))
                      if isinstance(x, torch.Tensor) and not x.requires_grad and not x.is_inference()]
         states = {id(t): (t, t.detach().clone()) for t in (*model.buffers(), *arguments)}
         # (the CUDA devices' generators too, where the model runs there)
@@ -246,7 +242,7 @@ def _saved_storages(addresses: set):
 
 def _saved_tensor_hooks(pack):
     """Saved-tensor hooks packing with `pack` (none where saved-tensor hooks are disabled)."""
-    if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+    if not saved_tensors_hooks_enabled():
         return contextlib.nullcontext()
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 

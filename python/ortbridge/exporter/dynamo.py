@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import dims
+from .._torch_private import fx_config
 from ..core import fallback
 from ..core.interception import intercepted
 from ..core.nodes import emit_python_op
@@ -37,7 +38,7 @@ def export(model, args: tuple, kwargs: dict, dynamic_shapes, calls: list[Call], 
     # Like torch.onnx.export: a dynamic dim may have an example size of 0 or 1.
     emitter = _Emitter(calls)
     with intercepted({call.func for call in calls}, emitter), \
-            torch.fx.experimental._config.patch(backed_size_oblivious=True):
+            fx_config.patch(backed_size_oblivious=True):
         shapes = dims.for_torch_export(dynamic_shapes)
         program = torch.export.export(model, args, kwargs=kwargs, strict=False, dynamic_shapes=shapes)
         emitter.table.require_all_reached("torch.export's trace")

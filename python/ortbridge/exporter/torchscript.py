@@ -17,6 +17,7 @@ import torch
 
 from . import dims
 from .. import registry
+from .._torch_private import TensorType, Value, get_tracing_state, set_tracing_state
 from ..core.functions import ExportError
 from ..core.interception import class_attributes_set
 from ..core.nodes import DOMAIN, Arguments
@@ -48,7 +49,7 @@ class _Symbolics:
 
     def emit(self, g, func, args):
         call = self.calls[self.done] if self.done < len(self.calls) else None
-        arguments = Arguments(registry.registered_name(func), args, tensor_type=torch._C.Value, pin=False)
+        arguments = Arguments(registry.registered_name(func), args, tensor_type=Value, pin=False)
         if call is None or call.func is not func or arguments.constants_key() != call.key[:2]:
             raise ExportError(f"the TorchScript trace called {arguments.constants['func_name']} where the eager run "
                               "of the example inputs did not, or with other constants; the model must call its "
@@ -56,10 +57,10 @@ class _Symbolics:
         outputs = g.op(f"{DOMAIN}::PythonOp", *arguments.tensors, outputs=1 + len(call.output_dtypes),
                        **_onnx_attribute_kwargs(call.node_attrs(self.done)))
         self.done += 1
-        outputs[0].setType(torch._C.TensorType.create_from_tensor(torch.zeros((), dtype=torch.int64)))
+        outputs[0].setType(TensorType.create_from_tensor(torch.zeros((), dtype=torch.int64)))
         traced = [v.type().varyingSizes() for v in arguments.tensors]  # None: a dim dynamic_axes made dynamic
         for value, dtype, shape in zip(outputs[1:], call.output_dtypes, call.output_shapes_for(traced)):
-            value.setType(torch._C.TensorType.create_from_tensor(torch.empty(0, dtype=dtype)).with_sizes(shape))
+            value.setType(TensorType.create_from_tensor(torch.empty(0, dtype=dtype)).with_sizes(shape))
         return tuple(outputs[1:]) if len(outputs) > 2 else outputs[1]
 
 
@@ -70,12 +71,12 @@ def _untraced(forward):
     @functools.wraps(forward)  # keeps its signature, which torch's apply binds arguments to
     def run(*args, **kwargs):
         versions = {id(a): a._version for a in args if isinstance(a, torch.Tensor)}
-        state = torch._C._get_tracing_state()
-        torch._C._set_tracing_state(None)
+        state = get_tracing_state()
+        set_tracing_state(None)
         try:
             result = forward(*args, **kwargs)
         finally:
-            torch._C._set_tracing_state(state)
+            set_tracing_state(state)
 
         def traced(o):
             if not isinstance(o, torch.Tensor) or versions.get(id(o)) == o._version:

@@ -20,16 +20,13 @@ import time
 import traceback
 
 import torch
-import torch.utils._pytree as pytree
-from torch._functorch import config as functorch_config
-from torch._functorch.aot_autograd import aot_module_simplified
-from torch._guards import TracingContext, tracing
-from torch._export.utils import _compiling_state_context
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import (DimDynamic, GuardOnDataDependentSymNode, ShapeEnv,
                                                    StatelessSymbolicContext)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .._torch_private import (DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode,
+                              TracingContext, aot_module_simplified, capture_config, compiling_state_context,
+                              decomposition_table, get_decompositions, pytree, tracing)
 from ..core.interception import intercepted
 from ..core.record import CallTable, Recorder
 from . import ops
@@ -47,9 +44,9 @@ log = logging.getLogger("ortbridge")
 # attention: on the CPU its fused kernel runs in PyTorch, a fallback node each way; elsewhere the
 # capture asks for the math kernel, as the fused ones' outputs saved for backward got other
 # shapes than torch's in ONNX.)
-_DECOMPOSITIONS = torch._decomp.get_decompositions([aten._native_batch_norm_legit, aten.native_batch_norm,
+_DECOMPOSITIONS = get_decompositions([aten._native_batch_norm_legit, aten.native_batch_norm,
                                                     aten.nll_loss_forward])
-_batch_norm_backward = torch._decomp.decomposition_table[aten.native_batch_norm_backward.default]
+_batch_norm_backward = decomposition_table[aten.native_batch_norm_backward.default]
 
 
 def _eval_batch_norm_backward(grad, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps,
@@ -261,8 +258,7 @@ class Capture:
         fused = on_cpu and torch.backends.cuda.flash_sdp_enabled()  # (unless the caller's sdpa_kernel excludes it)
         attention = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH] if fused else [SDPBackend.MATH]
         with intercepted(table.functions, _python_op_apply(table)), sdpa_kernel(attention), \
-                _compiling_state_context(), tracing(context), \
-                functorch_config.patch(force_non_lazy_backward_lowering=True, donated_buffer=False):
+                compiling_state_context(), tracing(context), capture_config():
             try:
                 self.compiled = aot_module_simplified(self.flat, fakes, fw_compiler=self._compiler("forward"),
                                                       bw_compiler=self._compiler("backward"),

@@ -24,10 +24,10 @@ import onnxruntime as ort
 import onnxruntime.capi.onnxruntime_pybind11_state as ort_capi
 import sympy
 import torch
-from torch.utils._sympy.functions import FloorDiv
-from torch.utils._sympy.printers import PythonPrinter
 
 from .. import _C, _dtypes, runtime
+from .._ort_private import c_device, c_session
+from .._torch_private import FloorDiv, PythonPrinter, storage_users, tensor_use_count, unset_fake_temporarily
 from .._runner import _from_dlpack, _lent_buffers
 from ..core import fallback
 from ..core.nodes import DOMAIN, emit_python_op, name_nodes, quiet_exporter, unname_unread_context_ids
@@ -569,15 +569,13 @@ def _references(kept: dict, j: int) -> int:
 
 
 _ONLY_KEPT = _references({0: torch.empty(0)}, 0)  # (a tensor's references that a dict alone holds, seen there)
-_storage_use_count = torch._C._storage_Use_Count
 
 
 def _unshared(kept: dict, j: int) -> bool:
     """Whether nothing but `kept` holds its tensor j or that tensor's memory: no other Python
     reference, no C++ one (a tensor autograd saved; torch 2.13 counts those on the Python object
     too), no other tensor on its storage (a view, a detach)."""
-    return (_references(kept, j) == _ONLY_KEPT and kept[j]._use_count() == 1
-            and _storage_use_count(kept[j].untyped_storage()._cdata) == 2)  # (its own and the storage object's)
+    return _references(kept, j) == _ONLY_KEPT and tensor_use_count(kept[j]) == 1 and storage_users(kept[j]) == 1
 
 
 def _run_in_scope(session, binding: _Binding, lent: list) -> torch.Tensor | None:
@@ -589,7 +587,7 @@ def _run_in_scope(session, binding: _Binding, lent: list) -> torch.Tensor | None
         _lent_buffers[t.data_ptr()] = t
     _C._begin_run()
     try:
-        session._sess.run_with_iobinding(binding.ort, binding.run_options)
+        c_session(session).run_with_iobinding(binding.ort, binding.run_options)
         contexts = None if binding.saved_ids is None else _from_dlpack(_C.context_ids_capsule(binding.saved_ids))
     except BaseException:
         _C._end_run(failed=True)
@@ -608,7 +606,7 @@ class _Binding:
     a backward graph's are copied into `ids_in` before each run. One per concurrent run."""
 
     def __init__(self, session, context_inputs: list, context_outputs: list, saved_contexts: int, tensors: int):
-        self.ort = ort_capi.SessionIOBinding(session._sess)
+        self.ort = ort_capi.SessionIOBinding(c_session(session))
         self.run_options = ort.RunOptions()  # (ORT makes one for each run given None: ~1 us)
         self.bound: list = [None] * tensors  # (address, shape) of each input, then output, bound now
         self.kept: dict[int, torch.Tensor] = {}  # output index -> the last run's tensor (recycled outputs)
@@ -624,7 +622,7 @@ class _Binding:
 
 
 def _ort_device(device: torch.device):
-    return ort.OrtDevice.make(device.type, device.index or 0)._get_c_device()
+    return c_device(device.type, device.index or 0)
 
 
 _PLACEHOLDERS: dict = {}  # device -> a small tensor there
@@ -648,7 +646,7 @@ def _export(gm: torch.fx.GraphModule, inputs: list, in_pytorch: set) -> onnx.Mod
     dynamic = tuple({d: torch.export.Dim.AUTO for d, size in enumerate(t.shape) if not isinstance(size, int)}
                     for t in inputs)
     # (under dynamo, the fake mode of its trace is still current)
-    with quiet_exporter(), torch._subclasses.fake_tensor.unset_fake_temporarily():
+    with quiet_exporter(), unset_fake_temporarily():
         dynamic = dynamic if any(dynamic) else None
         program = torch.export.export(gm, example, dynamic_shapes=dynamic, strict=False)
         return fallback.to_onnx(fallback.exportable(program, in_pytorch=in_pytorch))

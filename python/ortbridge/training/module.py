@@ -10,8 +10,8 @@ import time
 import onnxruntime as ort
 import torch
 import torch.nn.modules.module as nn_module
-import torch.utils._pytree as pytree
 
+from .._torch_private import pytree
 from .capture import Capture
 
 log = logging.getLogger("ortbridge")

@@ -18,6 +18,7 @@ import onnxruntime as ort
 import torch
 from onnx import numpy_helper
 
+from .._torch_private import IncompatibleKeys
 from . import ort_gradient
 from .module import OrtModule
 from .onnx_to_torch import OnnxGraphModule, float_initializers
@@ -167,7 +168,7 @@ class OnnxModule(torch.nn.Module):
             for name, p in weights.items():
                 if name in state_dict:
                     p.copy_(state_dict[name])
-        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+        return IncompatibleKeys(missing, unexpected)
 
     def to_onnx(self, path: str | os.PathLike | None = None) -> onnx.ModelProto:
         """The ONNX model with its trained initializers set to the current weights; saved to

@@ -18,9 +18,9 @@ import onnx
 import torch
 import torch.nn.functional as F
 from onnx import numpy_helper
-from torch.utils._python_dispatch import _disable_current_modes
 
 from .. import _C, _dtypes, _runner, registry
+from .._torch_private import bound_apply, disable_current_modes
 from ..core.nodes import DOMAIN
 
 
@@ -32,12 +32,12 @@ def _ints(t) -> list:
     """The integers of an attribute or of a host tensor input (shape, axes)."""
     if isinstance(t, (list, tuple)):
         return [int(v) for v in t]
-    with _disable_current_modes():  # (the value is real: read it, not the trace's view of it)
+    with disable_current_modes():  # (the value is real: read it, not the trace's view of it)
         return [int(v) for v in t.reshape(-1).tolist()]
 
 
 def _scalar(t):
-    with _disable_current_modes():
+    with disable_current_modes():
         return t.reshape(-1)[0].item()
 
 
@@ -415,7 +415,7 @@ class OnnxGraphModule(torch.nn.Module):
             start, end = 0, len(shape)
             for a in node.attribute:
                 start, end = (a.i, end) if a.name == "start" else (start, a.i) if a.name == "end" else (start, end)
-            with _disable_current_modes():  # a host value: the traced graph specializes it, as it does shapes
+            with disable_current_modes():  # a host value: the traced graph specializes it, as it does shapes
                 results = (torch.tensor(shape[start:end] if node.op_type == "Shape" else math.prod(shape),
                                         dtype=torch.int64),)
             on_host = True
@@ -427,7 +427,7 @@ class OnnxGraphModule(torch.nn.Module):
                     raise ConversionError(f"input {i} of this {node.op_type} ('{node.input[i]}') is computed from "
                                           "tensor values; it must come from constants and shapes")
             if on_host:
-                with _disable_current_modes():
+                with disable_current_modes():
                     results = op(*args, **attributes)
             else:
                 results = op(*args, **attributes)
@@ -460,6 +460,6 @@ def _python_op(node: onnx.NodeProto, tensors: list) -> tuple:
     args = _runner._arguments(layout)
     for position, tensor in zip(layout.tensor_positions, tensors):
         args[position] = tensor
-    outputs = func.apply(*args)
+    outputs = bound_apply(func)(*args)
     outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
     return (None, *outputs)  # output 0, the context id, has no value here

@@ -15,12 +15,9 @@ import onnxruntime as ort
 import torch
 
 from .. import _C, convert, runtime
+from .._ort_private import c_session
+from .._ort_private import training_c as _ort_c
 from ..core.nodes import DOMAIN, unname_unread_context_ids
-
-try:
-    from onnxruntime.capi import _pybind_state as _ort_c
-except ImportError:  # pragma: no cover (every onnxruntime has it)
-    _ort_c = None
 
 _MICROSOFT = "com.microsoft"
 _FLOATING = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
@@ -132,7 +129,7 @@ class TrainingGraph:
         self.device = _ort_c.OrtDevice(_ort_c.OrtDevice.cpu(), _ort_c.OrtDevice.default_memory(), 0)
         feeds = [i.name for i in self.session.get_inputs()]
         fetches = [o.name for o in self.session.get_outputs()]
-        self.agent = _ort_c.TrainingAgent(self.session._sess, feeds, [self.device] * len(output_names), fetches,
+        self.agent = _ort_c.TrainingAgent(c_session(self.session), feeds, [self.device] * len(output_names), fetches,
                                           [self.device] * len(fetches), 0)
         # Which argument each backward output is the gradient of.
         grad_names = dict(self.info.user_input_grad_names)

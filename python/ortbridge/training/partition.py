@@ -18,8 +18,8 @@ both graphs), and the forward run makes one tensor that owns them all (graph.py)
 from __future__ import annotations
 
 import torch
-from torch._functorch.partitioners import default_partition
 
+from .._torch_private import default_partition
 from .graph import is_context_id
 
 aten = torch.ops.aten

@@ -12,29 +12,29 @@ stays.
 from __future__ import annotations
 
 import torch
-from torch._functorch._aot_autograd.schemas import MutationType, OutputType, ViewAndMutationMeta
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .._runner import _direct_apply
+from .._torch_private import (MutationType, OutputType, direct_apply, functorch_transforms_active,
+                              is_any_autocast_enabled, is_tangent, is_traceable_wrapper_subclass,
+                              opaque_objects_saved, saved_for_backward)
 
 
 class Step:
     """The forward and backward sessions of a training capture, called as the module's flat
-    function: `step(params_and_buffers + tensors)` gives the module's output tensors."""
+    function: `step(params_and_buffers + tensors)` gives the module's output tensors. (`meta`:
+    the capture's ViewAndMutationMeta, AOTAutograd's metadata of inputs and outputs.)"""
 
-    def __init__(self, meta: ViewAndMutationMeta, forward, backward):
+    def __init__(self, meta, forward, backward):
         self.forward_graph, self.backward_graph = forward, backward
         self.mutated = meta.mutated_inp_runtime_indices  # each updated by the output at its position
         self.outputs = slice(len(self.mutated), len(self.mutated) + meta.num_outputs)
         self.returned = meta.num_forward_returns
         self.non_differentiable = [k for k, info in enumerate(
             [meta.input_info[i] for i in self.mutated] + meta.output_info) if not info.requires_grad]
-        self.saved = meta.tensors_saved_for_backwards_with_vc_check_slice
-        self.unchecked = meta.tensors_saved_for_backwards_no_vc_check_slice  # (as eager saved them: no version check)
-        self.symints = meta.symints_saved_for_backwards_slice
+        # (the unchecked ones as eager saved them: no version check)
+        self.saved, self.unchecked, self.symints = saved_for_backward(meta)
         # The backward graph's gradient inputs: of the outputs that have one.
         self.tangents = [len(self.mutated) + k for k, info in enumerate(meta.output_info)
-                         if issubclass(info.raw_type, torch.Tensor) and info.requires_grad_for_backward]
+                         if issubclass(info.raw_type, torch.Tensor) and is_tangent(info)]
         # Inputs with a history whose gradient the backward graph never computes: detached, as
         # AOTAutograd does, so that torch's backward does not walk into that history.
         self.detached = [i for i, (info, source) in enumerate(zip(meta.input_info, backward.graph.sources))
@@ -47,10 +47,10 @@ class Step:
         forward.recycle([j for j in computed if j not in returned])
 
     @staticmethod
-    def of(meta: ViewAndMutationMeta, sessions: list, args: list) -> Step | None:
+    def of(meta, sessions: list, args: list) -> Step | None:
         """The step for a capture of `args` (parameters, buffers, then tensor arguments), or None
         where AOTAutograd's runtime must stay."""
-        if len(sessions) != 2 or not _plain(meta) or torch._C._is_any_autocast_enabled():
+        if len(sessions) != 2 or not _plain(meta) or is_any_autocast_enabled():
             return None  # (under autocast, AOTAutograd's runtime runs the graphs with autocast off)
         if len(args) != len(meta.input_info) or any(is_traceable_wrapper_subclass(t) for t in args):
             # (inputs merged: a tensor given twice that the step mutates, views of one base; a
@@ -68,12 +68,12 @@ class Step:
         return returned[self.outputs]
 
 
-def _plain(meta: ViewAndMutationMeta) -> bool:
+def _plain(meta) -> bool:
     """Whether a step with this metadata needs nothing of AOTAutograd's runtime but the graphs'
     calls and copies into mutated inputs that need no gradient."""
     return (not meta.tokens and not meta.num_backward_tokens and not meta.is_rng_op_functionalized
             and not meta.num_graphsafe_rng_states and not meta.num_intermediate_bases
-            and not (meta.num_opaque_objects_saved_for_bw or 0) and meta.grad_enabled_mutation is None
+            and not opaque_objects_saved(meta) and meta.grad_enabled_mutation is None
             and all(info.output_type is OutputType.non_alias for info in meta.output_info)
             and all(info.mutation_type in (MutationType.NOT_MUTATED, MutationType.MUTATED_OUT_GRAPH)
                     and not info.mutates_metadata and not info.requires_grad
@@ -108,8 +108,8 @@ class _StepFunction(torch.autograd.Function):
         return (None, *step.backward_graph(args))
 
 
-_functorch_active = torch._C._are_functorch_transforms_active
-_apply_step = _direct_apply(_StepFunction) or _StepFunction.apply
+_functorch_active = functorch_transforms_active
+_apply_step = direct_apply(_StepFunction) or _StepFunction.apply
 
 
 class _FirstOrder(torch.autograd.Function):

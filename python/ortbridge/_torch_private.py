@@ -1,0 +1,301 @@
+"""Every private torch API that ortbridge uses, in one place, with a branch where releases differ.
+
+Supported: torch 2.9 to 2.15 (pyproject.toml; CI runs 2.9, 2.11, 2.13 and 2.15). No other module of
+the package reaches a private torch name itself (tests/python/test_private_apis.py). A release
+that lacks a name this module takes fails at `import ortbridge` with an error naming that name;
+one that changed how Function.apply is called fails where apply is first routed, naming what
+changed (csrc/apply_route.cc).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import types
+
+import torch
+
+RELEASE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+OLDEST = (2, 9)
+if RELEASE < OLDEST:
+    raise ImportError(f"ortbridge needs torch 2.9 or later; this is torch {torch.__version__}")
+
+try:
+    # Autograd and grad mode, in the kernels' per-call path (plain C functions).
+    from torch._C import _are_functorch_transforms_active as functorch_transforms_active
+    from torch._C import _is_any_autocast_enabled as is_any_autocast_enabled
+    from torch._C import _set_grad_enabled as set_grad_enabled
+    from torch._C import _storage_Use_Count
+    from torch._C._autograd import _pop_saved_tensors_default_hooks as pop_saved_tensors_default_hooks
+    from torch._C._autograd import _push_saved_tensors_default_hooks as push_saved_tensors_default_hooks
+    from torch._C._autograd import _saved_tensors_hooks_is_enabled as saved_tensors_hooks_enabled
+    from torch.autograd.function import _is_setup_context_defined
+
+    # Tracing: fake tensors, AOTAutograd, the FX passes and the exporters' internals.
+    from torch._decomp import decomposition_table, get_decompositions
+    from torch._export.utils import _compiling_state_context as compiling_state_context
+    from torch._functorch import config as functorch_config
+    from torch._functorch import aot_autograd
+    from torch._functorch._aot_autograd.schemas import MutationType, OutputType
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import default_partition
+    from torch._guards import TracingContext, detect_fake_mode, tracing
+    from torch._ops import OpOverload, OpOverloadPacket
+    from torch._subclasses.fake_tensor import (DataDependentOutputException,
+                                               DynamicOutputShapeException, FakeTensorMode,
+                                               unset_fake_temporarily)
+    from torch.fx.experimental import _config as fx_config
+    from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys
+    from torch.utils import _pytree as pytree
+    from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    from torch.utils._sympy.functions import FloorDiv
+    from torch.utils._sympy.printers import PythonPrinter
+
+    # The TorchScript exporter's graph values and tracing state.
+    from torch._C import TensorType, Value
+    from torch._C import _get_tracing_state as get_tracing_state
+    from torch._C import _set_tracing_state as set_tracing_state
+except ImportError as e:
+    raise ImportError(f"ortbridge does not know torch {torch.__version__}: {e} (supported: torch 2.9 to 2.15)") from e
+
+from_dlpack = getattr(torch._C, "_from_dlpack", torch.utils.dlpack.from_dlpack)  # (the C function, where there is one)
+
+
+def tensor_use_count(t: torch.Tensor) -> int:
+    """The references C++ holds to the tensor (autograd's saved ones among them)."""
+    return t._use_count()
+
+
+def storage_users(t: torch.Tensor) -> int:
+    """The tensors on t's storage, t among them. (Where torch keeps the storage's Python object,
+    which reading the count makes, that object holds a reference too: the count of a tensor alone
+    is measured at import.)"""
+    return _storage_Use_Count(t.untyped_storage()._cdata) - _STORAGE_OBJECT_REFERENCES
+
+
+def _references_of_a_lone_storage() -> int:
+    alone = torch.empty(1)
+    return _storage_Use_Count(alone.untyped_storage()._cdata) - 1
+
+
+_STORAGE_OBJECT_REFERENCES = _references_of_a_lone_storage()
+
+
+# --- autograd.Function --------------------------------------------------------------------------
+
+# torch's apply in C, a classmethod descriptor of _C._FunctionBase. From torch 2.14 Function.apply
+# is that descriptor itself; before, a Python classmethod that binds setup_context's default
+# arguments and dispatches functorch's transforms, then calls it.
+FUNCTION_BASE_APPLY = torch._C._FunctionBase.__dict__["apply"]
+APPLY_IN_C = torch.autograd.Function.__dict__["apply"] is FUNCTION_BASE_APPLY
+
+
+def backward_class(func: type) -> type:
+    """The class of a Function's ctx (and autograd node), which torch makes for each Function."""
+    return func._backward_cls
+
+
+def uses_setup_context(func: type) -> bool:
+    """Whether a Function defines setup_context; then apply binds keyword and defaulted
+    arguments to positions."""
+    return _is_setup_context_defined(func.setup_context)
+
+
+# Function.apply routed, for core/interception.py: every way of reaching apply (Fn.apply, a bound
+# method stored before, an alias, a closure, functools.partial, super().apply in an override) ends
+# in one function object, whose behavior is changed while routed; outside, a call costs what it did.
+if APPLY_IN_C:
+    # The method entry of torch's C function (csrc/apply_route.h); torch's own function stays
+    # callable beside it.
+    from . import _C
+
+    torch_apply = _C._unrouted_apply(FUNCTION_BASE_APPLY)  # torch_apply(cls, *args, **kwargs)
+
+    def route_apply(route) -> None:
+        """Until unroute_apply, each call of `cls.apply(*args, **kwargs)` is `route(cls, args, kwargs)`."""
+        _C._route_apply(FUNCTION_BASE_APPLY, route)
+
+    def unroute_apply() -> None:
+        _C._unroute_apply(FUNCTION_BASE_APPLY)
+
+    def apply_routed() -> bool:
+        return _C._apply_routed(FUNCTION_BASE_APPLY)
+else:
+    # The Python function behind the classmethod gets another code object. Its one free variable
+    # is super()'s __class__ cell, holding Function: the routing code reaches the route through it.
+    _APPLY = torch.autograd.Function.__dict__["apply"].__func__
+    _TORCH_CODE = _APPLY.__code__
+    # torch's apply as a function object of its own (its zero-argument super() reads the same cell).
+    torch_apply = types.FunctionType(_TORCH_CODE, _APPLY.__globals__, "apply", _APPLY.__defaults__,
+                                     _APPLY.__closure__)
+
+    def _routing_code() -> types.CodeType:
+        __class__ = None  # (a cell of that name: the closure of torch's apply fits this code)
+
+        def apply(cls, *args, **kwargs):
+            return __class__._ortbridge_route(cls, args, kwargs)
+
+        return apply.__code__
+
+    _ROUTING_CODE = _routing_code()
+
+    def route_apply(route) -> None:
+        """Until unroute_apply, each call of `cls.apply(*args, **kwargs)` is `route(cls, args, kwargs)`."""
+        torch.autograd.Function._ortbridge_route = staticmethod(route)
+        _APPLY.__code__ = _ROUTING_CODE
+
+    def unroute_apply() -> None:
+        _APPLY.__code__ = _TORCH_CODE
+
+    def apply_routed() -> bool:
+        return _APPLY.__code__ is _ROUTING_CODE
+
+
+def bound_apply(func: type):
+    """torch's apply bound to `func`, whatever `func` overrides: what a PythonOp node of `func`
+    calls, as the node stands for what `super().apply` reached (an override's own work around it
+    is in the graph around the node). Routed as any apply is (route_apply)."""
+    return torch.autograd.Function.__dict__["apply"].__get__(None, func)
+
+
+def direct_apply(func: type):
+    """bound_apply(func) without torch's Python wrapper where that wrapper only passes the
+    arguments on: no setup_context (whose default arguments it binds). None where it is needed.
+    (From 2.14 there is no wrapper: bound_apply itself.)"""
+    if APPLY_IN_C:
+        return bound_apply(func)
+    return None if uses_setup_context(func) else FUNCTION_BASE_APPLY.__get__(None, func)
+
+
+# Where torch.compile's autograd_function_apply makes the Function class it applies, for a
+# Function dynamo traced (its operators are in the graph already).
+DYNAMO_FUNCTION_MODULE = "torch._functorch.autograd_function"
+
+
+# Up to torch 2.12 a Function's ctx (its THPFunction) holds only a weak reference to its autograd
+# node, which its outputs own: once ORT has the outputs' values and torch's tensors are gone, the
+# node is freed, and ctx.saved_tensors with it. What keeps the node alive then is another node
+# with an edge to it that saves no data: the grad_fn of a view of an output. From 2.13 ctx owns
+# its node (pytorch#179924), and nothing is needed.
+CONTEXT_OWNS_NODE = RELEASE >= (2, 13)
+
+
+def _node_owner(output: torch.Tensor):
+    """A node that keeps `output`'s grad_fn alive, saving none of its data (None for a tensor
+    that is not dense, which a PythonOp refuses as an output anyway)."""
+    if output.layout != torch.strided:
+        return None
+    enabled = torch.is_grad_enabled()
+    set_grad_enabled(True)
+    try:
+        return output.view_as(output).grad_fn
+    finally:
+        set_grad_enabled(enabled)
+
+
+node_owner = None if CONTEXT_OWNS_NODE else _node_owner
+
+
+# --- AOTAutograd ---------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def capture_config():
+    """AOTAutograd's settings for a capture: the backward graph compiled with the forward graph, not
+    at the first backward (a Step runs both), and no saved tensor a donated buffer (ORT reuses none;
+    AOTAutograd's runtime would refuse retain_graph for one)."""
+    if hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+        with functorch_config.patch(force_non_lazy_backward_lowering=True, donated_buffer=False):
+            yield
+        return
+    # torch 2.9: an argument of aot_module_simplified's preparation only, which it leaves at its default
+    prepare = aot_autograd.prepare_aot_module_simplified
+    defaults = prepare.__kwdefaults__
+    prepare.__kwdefaults__ = {**defaults, "force_non_lazy_backward_lowering": True}
+    try:
+        with functorch_config.patch(donated_buffer=False):
+            yield
+    finally:
+        prepare.__kwdefaults__ = defaults
+
+
+def saved_for_backward(meta) -> tuple[slice, slice, slice]:
+    """Where a forward graph's outputs for its backward graph are, by AOTAutograd's metadata:
+    (tensors saved with a version check, tensors saved without one, symbolic ints). Before 2.10
+    every saved tensor is checked."""
+    if hasattr(type(meta), "tensors_saved_for_backwards_with_vc_check_slice"):
+        return (meta.tensors_saved_for_backwards_with_vc_check_slice,
+                meta.tensors_saved_for_backwards_no_vc_check_slice, meta.symints_saved_for_backwards_slice)
+    return meta.tensors_saved_for_backwards_slice, slice(0, 0), meta.symints_saved_for_backwards_slice
+
+
+def opaque_objects_saved(meta) -> int:
+    """Objects (not tensors) AOTAutograd saves for backward: none before 2.10."""
+    return getattr(meta, "num_opaque_objects_saved_for_bw", 0) or 0
+
+
+def is_tangent(output_info) -> bool:
+    """Whether the backward graph takes a gradient input for this output of AOTAutograd's
+    metadata (from 2.13 a view made under no_grad that inherits requires_grad does not)."""
+    return getattr(output_info, "requires_grad_for_backward", output_info.requires_grad)
+
+
+# --- torch's ONNX exporter ----------------------------------------------------------------------
+
+def onnx_opsets(opset_version: int | None) -> tuple[int, int]:
+    """(the model's opset, its translations' opset) as torch.onnx.export(dynamo=True) picks them:
+    torch's default opset where None; translations no older than torchlib's (converted after)."""
+    from torch.onnx import _constants as onnx_constants
+    from torch.onnx._internal.exporter import _constants
+
+    opset_version = opset_version or onnx_constants.ONNX_DEFAULT_OPSET
+    return opset_version, max(opset_version, _constants.TORCHLIB_OPSET)
+
+
+@functools.cache
+def onnx_registry(registry_opset: int):
+    """torch's ONNX translations for one opset, built once: torch.onnx.export builds them at each
+    call (about a second)."""
+    from torch.onnx._internal.exporter import _registration
+
+    return _registration.ONNXRegistry.from_torchlib(opset_version=registry_opset)
+
+
+def onnx_decompositions(registry: object) -> tuple[frozenset, dict]:
+    """(the operators torch's exporter translates with `registry`, the decompositions it applies
+    to the others)."""
+    from torch.onnx._internal.exporter import _decomp
+
+    translated = frozenset(_decomp.get_onnx_implemented_overloads(registry))
+    return translated, _decomp.create_onnx_friendly_decomposition_table(translated)
+
+
+def remove_assertion_nodes(graph_module: torch.fx.GraphModule) -> None:
+    from torch.onnx._internal.exporter import _fx_passes
+
+    _fx_passes.remove_assertion_nodes(graph_module)
+
+
+@functools.cache
+def onnx_exporter() -> types.SimpleNamespace:
+    """The private functions of torch's exporter that an export of a decomposed program calls.
+    `export` (torch.onnx.export's own call) and `translate` (with the steps around it, from
+    _core.export's code) are None where this torch lacks them, or their `registry` parameter."""
+    def taking_registry(function):
+        return function if "registry" in inspect.signature(function).parameters else None
+
+    exporter = types.SimpleNamespace(export=None, translate=None)
+    with contextlib.suppress(ImportError, AttributeError):  # (in order: `translate` last, with all it needs)
+        from torch.onnx._internal.exporter import _core, _fx_passes
+
+        exporter.export = taking_registry(_core.export)
+        exporter.insert_type_promotion_nodes = _fx_passes.insert_type_promotion_nodes
+        exporter.remove_assertion_nodes = _fx_passes.remove_assertion_nodes
+        exporter.convert_version = _core.onnxscript_apis.convert_version
+        exporter.translate = taking_registry(_core._exported_program_to_onnx_program)
+    return exporter
+
+
+# The logger of torch's exporter that warns about optional packages that do not concern the user.
+ONNX_REGISTRATION_LOGGER = "torch.onnx._internal.exporter._registration"
