@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -28,13 +27,7 @@ import time
 import psutil
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
-_CHILD = r"""
-import json, statistics, sys, time
-import torch
-if sys.argv[1] == "1":
-    import ortbridge  # (routes nothing by itself: only recording, export and capture route apply)
 
 class Scale(torch.autograd.Function):
     @staticmethod
@@ -45,34 +38,39 @@ class Scale(torch.autograd.Function):
     def backward(ctx, g):
         return g * 2
 
-repeats, target = int(sys.argv[2]), float(sys.argv[3])
-x = torch.randn(16)
-xg = torch.randn(16, requires_grad=True)
-apply = Scale.apply
 
-def per_call(arg, grad):
+def per_call_us(call, repeats: int, target: float) -> float:
+    """Median over `repeats` of the time of one call, in a loop of N calls that lasts `target` s."""
     def run(n):
-        with torch.set_grad_enabled(grad):
-            started = time.perf_counter()
-            for _ in range(n):
-                apply(arg)
-            return time.perf_counter() - started
+        started = time.perf_counter()
+        for _ in range(n):
+            call()
+        return time.perf_counter() - started
+
     n = 1000
     while run(n) < target:
         n *= 2
     return statistics.median(run(n) / n for _ in range(repeats)) * 1e6
 
-print(json.dumps({"train": per_call(xg, True), "no_grad": per_call(x, False)}))
-"""
+
+def child(with_ortbridge: bool, repeats: int, target: float) -> None:
+    """One process's measure of Function.apply: prints {"train": us, "no_grad": us}."""
+    if with_ortbridge:
+        import ortbridge  # noqa: F401 (routes nothing by itself: only recording, export and capture do)
+    x, xg = torch.randn(16), torch.randn(16, requires_grad=True)
+    apply = Scale.apply
+    with torch.no_grad():
+        no_grad = per_call_us(lambda: apply(x), repeats, target)
+    print(json.dumps({"train": per_call_us(lambda: apply(xg), repeats, target), "no_grad": no_grad}))
 
 
 def function_apply(processes: int, repeats: int, target: float) -> dict:
     """{"without"/"with": {"train"/"no_grad": [us per call, one per process]}}."""
     results = {"without": {"train": [], "no_grad": []}, "with": {"train": [], "no_grad": []}}
     for _ in range(processes):
-        for side, flag in (("without", "0"), ("with", "1")):
-            out = subprocess.run([sys.executable, "-c", _CHILD, flag, str(repeats), str(target)],
-                                 capture_output=True, text=True, check=True).stdout
+        for side in ("without", "with"):
+            out = subprocess.run([sys.executable, __file__, "--child", side, "--repeats", str(repeats),
+                                  "--target", str(target)], capture_output=True, text=True, check=True).stdout
             for mode, us in json.loads(out.splitlines()[-1]).items():
                 results[side][mode].append(us)
     return results
@@ -82,34 +80,13 @@ def node_owner(repeats: int, target: float, owners: int) -> tuple[float, float, 
     """(us per owner made, us per Function.apply in train mode, bytes per owner held)."""
     from ortbridge import _torch_private
 
-    class Scale(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x * 2
-
-        @staticmethod
-        def backward(ctx, g):
-            return g * 2
-
     x = torch.randn(16, requires_grad=True)
     out = Scale.apply(x)
     make = _torch_private._node_owner  # (the function itself: on releases that do not need it too)
-
-    def timed(call):
-        def run(n):
-            started = time.perf_counter()
-            for _ in range(n):
-                call()
-            return time.perf_counter() - started
-        n = 1000
-        while run(n) < target:
-            n *= 2
-        return statistics.median(run(n) / n for _ in range(repeats)) * 1e6
-
     owner_us, apply_us = [], []
     for _ in range(3):  # (interleaved)
-        owner_us.append(timed(lambda: make(out)))
-        apply_us.append(timed(lambda: Scale.apply(x)))
+        owner_us.append(per_call_us(lambda: make(out), repeats, target))
+        apply_us.append(per_call_us(lambda: Scale.apply(x), repeats, target))
     outputs = [Scale.apply(x) for _ in range(owners)]
     process = psutil.Process()
     before = process.memory_info().rss
@@ -125,7 +102,10 @@ def main():
     parser.add_argument("--target", type=float, default=0.2, help="seconds per repeat")
     parser.add_argument("--owners", type=int, default=100_000)
     parser.add_argument("--quick", action="store_true", help="a short run that checks the script works")
+    parser.add_argument("--child", choices=("with", "without"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        return child(args.child == "with", args.repeats, args.target)
     if args.quick:
         args.processes, args.repeats, args.target, args.owners = 1, 3, 0.02, 10_000
     from ortbridge import _torch_private

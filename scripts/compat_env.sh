@@ -42,7 +42,7 @@ if [ ! -x "$env/bin/python" ] || [ ! -f "$env/.complete" ]; then
   "${pip[@]}" --no-deps "timm==1.0.31"  # (as scripts/setup.sh installs it)
   touch "$env/.complete"
 fi
-# ortbridge with its dependencies (torch already satisfies its range); the build is incremental.
-"$env/bin/python" -m pip install -qq --no-build-isolation -e ".[cpu,test]"
+# ortbridge with its dependencies, torch held at its pin; the build is incremental.
+"$env/bin/python" -m pip install -qq --no-build-isolation -e ".[cpu,test]" "torch==$torch_version"
 "$env/bin/python" -c "import torch; assert torch.__version__.split('+')[0] == '$torch_version', torch.__version__"
 echo "$env/bin/python"

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Runs every test: the C++ suite (GoogleTest through ctest), then the Python suite (pytest).
-# Expects scripts/setup.sh to have run.
+# Runs every test: the C++ suite (GoogleTest through ctest), then the Python suite (pytest) on the
+# installed torch, the kernels' suites again on the oldest ONNX Runtime releases, and the
+# compatibility suite on other torch releases, each in a virtual environment of its own (made on the
+# first run: about 5 GB and two minutes each). Expects scripts/setup.sh to have run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

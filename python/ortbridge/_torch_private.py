@@ -210,8 +210,11 @@ def capture_config():
             yield
         return
     # torch 2.9: an argument of aot_module_simplified's preparation only, which it leaves at its default
-    prepare = aot_autograd.prepare_aot_module_simplified
-    defaults = prepare.__kwdefaults__
+    prepare = getattr(aot_autograd, "prepare_aot_module_simplified", None)
+    defaults = getattr(prepare, "__kwdefaults__", None) or {}
+    if "force_non_lazy_backward_lowering" not in defaults:
+        raise RuntimeError(f"ortbridge does not know torch {torch.__version__}: its AOTAutograd has no setting that "
+                           "compiles the backward graph with the forward graph (force_non_lazy_backward_lowering)")
     prepare.__kwdefaults__ = {**defaults, "force_non_lazy_backward_lowering": True}
     try:
         with functorch_config.patch(donated_buffer=False):
@@ -222,7 +225,7 @@ def capture_config():
 
 def saved_for_backward(meta) -> tuple[slice, slice, slice]:
     """Where a forward graph's outputs for its backward graph are, by AOTAutograd's metadata:
-    (tensors saved with a version check, tensors saved without one, symbolic ints). Before 2.10
+    (tensors saved with a version check, tensors saved without one, symbolic ints). Before 2.11
     every saved tensor is checked."""
     if hasattr(type(meta), "tensors_saved_for_backwards_with_vc_check_slice"):
         return (meta.tensors_saved_for_backwards_with_vc_check_slice,
@@ -231,13 +234,13 @@ def saved_for_backward(meta) -> tuple[slice, slice, slice]:
 
 
 def opaque_objects_saved(meta) -> int:
-    """Objects (not tensors) AOTAutograd saves for backward: none before 2.10."""
+    """Objects (not tensors) AOTAutograd saves for backward: none before 2.11."""
     return getattr(meta, "num_opaque_objects_saved_for_bw", 0) or 0
 
 
 def is_tangent(output_info) -> bool:
     """Whether the backward graph takes a gradient input for this output of AOTAutograd's
-    metadata (from 2.13 a view made under no_grad that inherits requires_grad does not)."""
+    metadata (from 2.12 a view made under no_grad that inherits requires_grad does not)."""
     return getattr(output_info, "requires_grad_for_backward", output_info.requires_grad)
 
 
