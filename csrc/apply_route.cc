@@ -47,26 +47,32 @@ PyMethodDef* Entry(PyObject* descriptor) {
     return nullptr;
   }
   if (!g_entry) {
-    // The entry is in torch's writable data in every release seen; made writable here should a
-    // build place it in memory that is read-only after relocation.
-    const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-    const auto field = reinterpret_cast<uintptr_t>(&entry->ml_meth);
-    const uintptr_t start = field & ~(page - 1);
-    if (mprotect(reinterpret_cast<void*>(start), field + sizeof(entry->ml_meth) - start, PROT_READ | PROT_WRITE) != 0) {
-      PyErr_SetFromErrno(PyExc_OSError);
-      return nullptr;
-    }
     g_entry = entry;
     g_torch_apply = reinterpret_cast<PyCFunctionWithKeywords>(reinterpret_cast<void (*)()>(entry->ml_meth));
   }
   return entry;
 }
 
+// The entry is in torch's writable data in every release seen; made writable here (once, before
+// its first change) should a build place it in memory that is read-only after relocation.
+bool MakeWritable(PyMethodDef* entry) {
+  static bool writable = false;
+  if (writable) return true;
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const auto field = reinterpret_cast<uintptr_t>(&entry->ml_meth);
+  const uintptr_t start = field & ~(page - 1);
+  if (mprotect(reinterpret_cast<void*>(start), field + sizeof(entry->ml_meth) - start, PROT_READ | PROT_WRITE) != 0) {
+    PyErr_SetFromErrno(PyExc_OSError);
+    return false;
+  }
+  return writable = true;
+}
+
 }  // namespace
 
 bool RouteApply(PyObject* descriptor, PyObject* route) {
   PyMethodDef* entry = Entry(descriptor);
-  if (!entry) return false;
+  if (!entry || !MakeWritable(entry)) return false;
   if (g_route == nullptr) g_route = Py_NewRef(route);
   if (route != g_route) {
     PyErr_SetString(PyExc_RuntimeError, "ortbridge: Function.apply is routed to one router per process");

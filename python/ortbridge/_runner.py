@@ -21,7 +21,7 @@ import torch
 from torch.autograd.function import FunctionCtx
 
 from . import _C, _dtypes, _literals, _torch_private, registry
-from ._torch_private import bound_apply, direct_apply, uses_setup_context
+from ._torch_private import direct_apply, unrouted_apply, uses_setup_context
 
 # (the kernels call these: csrc/proxy.cc, Torch())
 _from_dlpack = _torch_private.from_dlpack
@@ -155,7 +155,7 @@ class ForwardNode(_Node):
     def __init__(self, layout: _C.ForwardLayout, device: str = "cpu"):
         super().__init__(device)
         self.func = registry.lookup(layout.func_name)
-        self.apply = bound_apply(self.func)
+        self.apply = unrouted_apply(self.func)
         safe = layout.safe_run_mode
         args = _arguments(layout)
         # How forward runs unless a functorch transform is active (which needs Function.apply):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import inspect
 import types
 
@@ -22,7 +23,8 @@ if RELEASE < OLDEST:
     raise ImportError(f"ortbridge needs torch 2.9 or later; this is torch {torch.__version__}")
 
 try:
-    # Autograd and grad mode, in the kernels' per-call path (plain C functions).
+    # Autograd and grad mode, in the kernels' per-call path (plain C functions), and what the
+    # exporters and the kernels share; all loaded with torch already.
     from torch._C import _are_functorch_transforms_active as functorch_transforms_active
     from torch._C import _is_any_autocast_enabled as is_any_autocast_enabled
     from torch._C import _set_grad_enabled as set_grad_enabled
@@ -30,28 +32,11 @@ try:
     from torch._C._autograd import _pop_saved_tensors_default_hooks as pop_saved_tensors_default_hooks
     from torch._C._autograd import _push_saved_tensors_default_hooks as push_saved_tensors_default_hooks
     from torch._C._autograd import _saved_tensors_hooks_is_enabled as saved_tensors_hooks_enabled
-    from torch.autograd.function import _is_setup_context_defined
-
-    # Tracing: fake tensors, AOTAutograd, the FX passes and the exporters' internals.
-    from torch._decomp import decomposition_table, get_decompositions
-    from torch._export.utils import _compiling_state_context as compiling_state_context
-    from torch._functorch import config as functorch_config
-    from torch._functorch import aot_autograd
-    from torch._functorch._aot_autograd.schemas import MutationType, OutputType
-    from torch._functorch.aot_autograd import aot_module_simplified
-    from torch._functorch.partitioners import default_partition
-    from torch._guards import TracingContext, detect_fake_mode, tracing
     from torch._ops import OpOverload, OpOverloadPacket
-    from torch._subclasses.fake_tensor import (DataDependentOutputException,
-                                               DynamicOutputShapeException, FakeTensorMode,
-                                               unset_fake_temporarily)
-    from torch.fx.experimental import _config as fx_config
-    from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys
+    from torch.autograd.function import _is_setup_context_defined
     from torch.utils import _pytree as pytree
     from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-    from torch.utils._sympy.functions import FloorDiv
-    from torch.utils._sympy.printers import PythonPrinter
 
     # The TorchScript exporter's graph values and tracing state.
     from torch._C import TensorType, Value
@@ -59,6 +44,45 @@ try:
     from torch._C import _set_tracing_state as set_tracing_state
 except ImportError as e:
     raise ImportError(f"ortbridge does not know torch {torch.__version__}: {e} (supported: torch 2.9 to 2.15)") from e
+
+# Tracing's names (AOTAutograd, fake tensors, decompositions, FX's settings), imported at their first
+# use (the module's __getattr__): they bring in dynamo, which inference and the kernels never need.
+# name -> (module, its attribute; None: the module itself)
+_TRACING = {
+    "aot_module_simplified": ("torch._functorch.aot_autograd", "aot_module_simplified"),
+    "default_partition": ("torch._functorch.partitioners", "default_partition"),
+    "MutationType": ("torch._functorch._aot_autograd.schemas", "MutationType"),
+    "OutputType": ("torch._functorch._aot_autograd.schemas", "OutputType"),
+    "decomposition_table": ("torch._decomp", "decomposition_table"),
+    "get_decompositions": ("torch._decomp", "get_decompositions"),
+    "compiling_state_context": ("torch._export.utils", "_compiling_state_context"),
+    "TracingContext": ("torch._guards", "TracingContext"),
+    "detect_fake_mode": ("torch._guards", "detect_fake_mode"),
+    "tracing": ("torch._guards", "tracing"),
+    "DataDependentOutputException": ("torch._subclasses.fake_tensor", "DataDependentOutputException"),
+    "DynamicOutputShapeException": ("torch._subclasses.fake_tensor", "DynamicOutputShapeException"),
+    "FakeTensorMode": ("torch._subclasses.fake_tensor", "FakeTensorMode"),
+    "unset_fake_temporarily": ("torch._subclasses.fake_tensor", "unset_fake_temporarily"),
+    "fx_config": ("torch.fx.experimental._config", None),
+    "IncompatibleKeys": ("torch.nn.modules.module", "_IncompatibleKeys"),
+    "FloorDiv": ("torch.utils._sympy.functions", "FloorDiv"),
+    "PythonPrinter": ("torch.utils._sympy.printers", "PythonPrinter"),
+}
+
+
+def __getattr__(name: str):
+    if name not in _TRACING:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attribute = _TRACING[name]
+    try:
+        value = importlib.import_module(module)
+        value = value if attribute is None else getattr(value, attribute)
+    except (ImportError, AttributeError) as e:
+        raise ImportError(f"ortbridge does not know torch {torch.__version__}: it has no {module}"
+                          f"{'' if attribute is None else '.' + attribute} (supported: torch 2.9 to 2.15)") from e
+    globals()[name] = value
+    return value
+
 
 from_dlpack = getattr(torch._C, "_from_dlpack", torch.utils.dlpack.from_dlpack)  # (the C function, where there is one)
 
@@ -95,6 +119,12 @@ APPLY_IN_C = torch.autograd.Function.__dict__["apply"] is FUNCTION_BASE_APPLY
 def backward_class(func: type) -> type:
     """The class of a Function's ctx (and autograd node), which torch makes for each Function."""
     return func._backward_cls
+
+
+def leave_non_differentiable_gradients_absent(ctx) -> None:
+    """The backward of ctx's Function gets None for an output marked non-differentiable, not zeros
+    (what ctx.set_materialize_grads(False) does for every output)."""
+    ctx._materialize_non_diff_grads = False
 
 
 def uses_setup_context(func: type) -> bool:
@@ -153,19 +183,28 @@ else:
         return _APPLY.__code__ is _ROUTING_CODE
 
 
+# A PythonOp node of `func` stands for what `super().apply` reached in an override of apply (the
+# override's own work is in the graph around the node), so what runs it is torch's apply bound to
+# `func`, whatever `func` overrides.
+
 def bound_apply(func: type):
-    """torch's apply bound to `func`, whatever `func` overrides: what a PythonOp node of `func`
-    calls, as the node stands for what `super().apply` reached (an override's own work around it
-    is in the graph around the node). Routed as any apply is (route_apply)."""
+    """torch's apply bound to `func`, routed as any apply is while ortbridge records or captures
+    (a graph that runs as torch operators, onnx_to_torch, is captured again)."""
     return torch.autograd.Function.__dict__["apply"].__get__(None, func)
 
 
+def unrouted_apply(func: type):
+    """torch's apply bound to `func`, never routed: what a kernel calls (on every release alike,
+    a kernel's call is not a call of the model a capture on its thread records)."""
+    return torch_apply.__get__(None, func) if APPLY_IN_C else types.MethodType(torch_apply, func)
+
+
 def direct_apply(func: type):
-    """bound_apply(func) without torch's Python wrapper where that wrapper only passes the
+    """unrouted_apply(func) without torch's Python wrapper where that wrapper only passes the
     arguments on: no setup_context (whose default arguments it binds). None where it is needed.
-    (From 2.14 there is no wrapper: bound_apply itself.)"""
+    (From 2.14 there is no wrapper: unrouted_apply itself.)"""
     if APPLY_IN_C:
-        return bound_apply(func)
+        return unrouted_apply(func)
     return None if uses_setup_context(func) else FUNCTION_BASE_APPLY.__get__(None, func)
 
 
@@ -178,8 +217,31 @@ DYNAMO_FUNCTION_MODULE = "torch._functorch.autograd_function"
 # node, which its outputs own: once ORT has the outputs' values and torch's tensors are gone, the
 # node is freed, and ctx.saved_tensors with it. What keeps the node alive then is another node
 # with an edge to it that saves no data: the grad_fn of a view of an output. From 2.13 ctx owns
-# its node (pytorch#179924), and nothing is needed.
-CONTEXT_OWNS_NODE = RELEASE >= (2, 13)
+# its node (pytorch#179924), and nothing is needed. Which one this torch does is tried, not read
+# off its version (a build between releases may have either).
+
+class _Saves(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def _context_owns_node() -> bool:
+    with torch.inference_mode(False), torch.enable_grad():
+        ctx = _Saves.apply(torch.zeros(1, requires_grad=True)).grad_fn  # (its output is gone at once)
+        try:
+            ctx.saved_tensors
+        except RuntimeError:
+            return False
+    return True
+
+
+CONTEXT_OWNS_NODE = _context_owns_node()
 
 
 def _node_owner(output: torch.Tensor):
@@ -205,6 +267,9 @@ def capture_config():
     """AOTAutograd's settings for a capture: the backward graph compiled with the forward graph, not
     at the first backward (a Step runs both), and no saved tensor a donated buffer (ORT reuses none;
     AOTAutograd's runtime would refuse retain_graph for one)."""
+    from torch._functorch import aot_autograd
+    from torch._functorch import config as functorch_config
+
     if hasattr(functorch_config, "force_non_lazy_backward_lowering"):
         with functorch_config.patch(force_non_lazy_backward_lowering=True, donated_buffer=False):
             yield

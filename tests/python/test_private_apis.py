@@ -1,9 +1,16 @@
 """Every private API of torch and onnxruntime that the package uses goes through one module each
 (ortbridge/_torch_private.py, ortbridge/_ort_private.py), where the branches per release are.
-Private: a module path with a component that starts with an underscore (torch._C,
-torch.utils._pytree, torch.onnx._internal, torch.autograd.function._is_setup_context_defined,
-onnxruntime.capi._pybind_state), whether imported, reached as an attribute, or named in a string;
-torch.ops.* (operators, whose names may start with one) is public."""
+Two checks of every other module's source:
+- a module path with a component that starts with an underscore (torch._C, torch.utils._pytree,
+  torch.onnx._internal, torch.autograd.function._is_setup_context_defined,
+  onnxruntime.capi._pybind_state), imported, read as an attribute of an imported name, named in
+  getattr or hasattr, or in a string; torch.ops.* (operators, whose names may start with one) is
+  public;
+- an attribute with a leading underscore read off an object (session._sess, ctx._materialize_...)
+  that the package does not define itself (a function, class, name, argument, attribute of
+  self or cls, or a function of _C), but for OBJECT_ATTRIBUTES_ALLOWED and operators (aten.*).
+What it cannot see: a private name reached through a variable holding a module (m = torch;
+m._C), or through vars() and __dict__."""
 
 import ast
 import re
@@ -11,7 +18,11 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).parents[2] / "python" / "ortbridge"
+ROOT = Path(__file__).parents[2]
+PACKAGE = ROOT / "python" / "ortbridge"
+# Private attributes of tensors and operators that every supported release has and that per-call
+# paths read (a function call more each time would cost): allowed anywhere.
+OBJECT_ATTRIBUTES_ALLOWED = {"_version", "_is_view", "_schema", "_overloadname"}
 ROOTS = ("torch", "onnxruntime")
 HOMES = {"torch": "_torch_private.py", "onnxruntime": "_ort_private.py"}
 _IN_STRING = re.compile(r"\b(?:torch|onnxruntime)(?:\.\w+)+")
@@ -67,11 +78,57 @@ def private_uses(source: str) -> list[tuple[int, str]]:
     return sorted({u for u in uses if _private(u[1])})
 
 
+def own_names(sources: list[str]) -> set[str]:
+    """The names the package defines itself, and the functions of its _C module."""
+    names = set()
+    for source in sources:
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
+                    isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                names.add(node.attr)
+    for cc in (ROOT / "csrc").glob("*.cc"):
+        names.update(re.findall(r'm\.def\(\s*"(\w+)"', cc.read_text()))
+    return names
+
+
+def private_attributes(source: str, own: set[str]) -> list[tuple[int, str]]:
+    """(line, attribute) of each private attribute the source reads off an object it does not own."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and node.attr not in own and node.attr not in OBJECT_ATTRIBUTES_ALLOWED
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls", "aten"))
+                and not ast.unparse(node.value).startswith("torch.ops.")):  # (operators: public)
+            found.append((node.lineno, node.attr))
+    return found
+
+
+def _outside_the_private_modules() -> list[Path]:
+    return [p for p in sorted(PACKAGE.rglob("*.py")) if not (p.parent == PACKAGE and p.name in HOMES.values())]
+
+
+def test_no_other_module_reads_private_attributes_of_objects():
+    files = _outside_the_private_modules()
+    own = own_names([p.read_text() for p in PACKAGE.rglob("*.py")])
+    found = [f"{p.relative_to(PACKAGE)}:{line}: .{name}" for p in files for line, name in private_attributes(p.read_text(), own)]
+    assert not found, "private attributes read outside ortbridge/_torch_private.py and _ort_private.py:\n" + "\n".join(found)
+
+
+def test_the_attribute_check_finds_what_the_package_does_not_define():
+    source = ("def f(session, ctx, t):\n    return session._sess, ctx._materialize_non_diff_grads, t._version, self._x, "
+              "aten._unsafe_view, torch.ops.aten._to_copy")
+    assert private_attributes(source, own={"_x"}) == [(2, "_sess"), (2, "_materialize_non_diff_grads")]
+
+
 def test_only_the_private_modules_use_private_apis():
     outside = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if path.parent == PACKAGE and path.name in HOMES.values():
-            continue
+    for path in _outside_the_private_modules():
         outside += [f"{path.relative_to(PACKAGE)}:{line}: {name}" for line, name in private_uses(path.read_text())]
     assert not outside, "private APIs used outside ortbridge/_torch_private.py and _ort_private.py:\n" + "\n".join(outside)
 

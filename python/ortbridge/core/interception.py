@@ -42,11 +42,11 @@ def intercepted(classes, hook):
     hooks = _local.__dict__.setdefault("hooks", [])
     # One thread at a time: torch's tracers patch process-wide state of their own too.
     with _lock:
-        if _active == 0:
-            route_apply(_route)
         _active += 1
         hooks.append((classes, hook))
         try:
+            if _active == 1:
+                route_apply(_route)
             yield
         finally:
             hooks.pop()

@@ -15,7 +15,8 @@ import torch
 
 from .._torch_private import (MutationType, OutputType, direct_apply, functorch_transforms_active,
                               is_any_autocast_enabled, is_tangent, is_traceable_wrapper_subclass,
-                              opaque_objects_saved, saved_for_backward)
+                              leave_non_differentiable_gradients_absent, opaque_objects_saved,
+                              saved_for_backward)
 
 
 class Step:
@@ -90,7 +91,7 @@ class _StepFunction(torch.autograd.Function):
         ctx.symints = outputs[step.symints]
         returned = tuple(outputs[:step.returned])
         ctx.mark_non_differentiable(*(returned[k] for k in step.non_differentiable))
-        ctx._materialize_non_diff_grads = False  # (their gradients are not inputs of the backward graph)
+        leave_non_differentiable_gradients_absent(ctx)  # (their gradients are not inputs of the backward graph)
         return returned
 
     @staticmethod
