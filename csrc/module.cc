@@ -17,6 +17,32 @@ namespace py = pybind11;
 
 namespace {
 
+PyObject* RefuseNew(PyTypeObject* type, PyObject*, PyObject*) {
+  PyErr_Format(PyExc_TypeError, "%s objects are made by the ortbridge kernel library only", type->tp_name);
+  return nullptr;
+}
+
+// For the classes below, whose objects only the kernel library makes (pybind11 makes its objects
+// with tp_alloc, not tp_new): Python reads them, and cannot make or copy one. pybind11's __new__
+// allocates the C++ object without constructing it, so a bare object (cls.__new__(cls), as
+// copyreg makes them) read uninitialized memory: a std::vector copied from garbage. And where a
+// class has no __reduce__, pickle protocols 0 and 1 call pybind11's base type, which throws
+// through C: std::terminate.
+template <class T>
+void MadeByKernelsOnly(py::class_<T>& cls) {
+  const std::string name = "ortbridge._C." + cls.attr("__qualname__").template cast<std::string>();
+  cls.def("__reduce__", [name](const py::object&) -> py::object {
+    throw py::type_error(name + " cannot be copied or pickled: the kernel library makes it for one node");
+  });
+  cls.def_static("__new__", [name](const py::args&, const py::kwargs&) -> py::object {
+    throw py::type_error(name + " objects are made by the ortbridge kernel library only");
+  });
+  // (after __new__, whose assignment set tp_new to call it): cls() and base.__new__(cls) refused too
+  auto* type = reinterpret_cast<PyTypeObject*>(cls.ptr());
+  type->tp_new = RefuseNew;
+  PyType_Modified(type);
+}
+
 // The kernel<->runner contract: the parsed node, read-only, from which ortbridge._runner builds
 // its node (every Python value of a constant is made there).
 void BindLayouts(py::module_& m) {
@@ -32,13 +58,18 @@ void BindLayouts(py::module_& m) {
       .value("INT_TUPLE", Constant::Kind::kIntTuple)
       .value("FLOAT_TUPLE", Constant::Kind::kFloatTuple)
       .value("OBJECT", Constant::Kind::kObject)
-      .value("LITERAL", Constant::Kind::kLiteral);
+      .value("LITERAL", Constant::Kind::kLiteral)
+      // A value: pickled as Kind(int). (pybind11 gives enums no __reduce__: pickle protocols 0 and 1
+      // reached std::terminate, as for the classes below.)
+      .def("__reduce__", [](const py::object& self) {
+        return py::make_tuple(py::type::of(self), py::make_tuple(py::int_(self)));
+      });
   constant.def_readonly("kind", &Constant::kind)
       .def_readonly("position", &Constant::position)
       .def_readonly("ints", &Constant::ints)
       .def_readonly("floats", &Constant::floats);
-  py::class_<ForwardLayout>(m, "ForwardLayout", "A PythonOp node's attributes, validated.")
-      .def_readonly("func_name", &ForwardLayout::func_name)
+  py::class_<ForwardLayout> forward(m, "ForwardLayout", "A PythonOp node's attributes, validated.");
+  forward.def_readonly("func_name", &ForwardLayout::func_name)
       .def_readonly("input_convention", &ForwardLayout::input_convention)
       .def_readonly("training_mode", &ForwardLayout::training_mode)
       .def_readonly("safe_run_mode", &ForwardLayout::safe_run_mode)
@@ -48,11 +79,14 @@ void BindLayouts(py::module_& m) {
       .def_readonly("literals", &ForwardLayout::literals)
       .def_readonly("output_tensor_types", &ForwardLayout::output_tensor_types)
       .def_readonly("in_place", &ForwardLayout::in_place);
-  py::class_<BackwardLayout>(m, "BackwardLayout", "A PythonOpGrad node's attributes, validated.")
-      .def_readonly("func_name", &BackwardLayout::func_name)
+  py::class_<BackwardLayout> backward(m, "BackwardLayout", "A PythonOpGrad node's attributes, validated.");
+  backward.def_readonly("func_name", &BackwardLayout::func_name)
       .def_readonly("output_convention", &BackwardLayout::output_convention)
       .def_readonly("output_positions", &BackwardLayout::output_positions)
       .def_readonly("output_requires_grad", &BackwardLayout::output_requires_grad);
+  MadeByKernelsOnly(constant);
+  MadeByKernelsOnly(forward);
+  MadeByKernelsOnly(backward);
 }
 
 }  // namespace

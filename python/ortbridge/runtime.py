@@ -14,6 +14,7 @@ except ModuleNotFoundError as e:  # it comes from an extra: one of two packages 
                               name="onnxruntime") from e
 
 from . import _C
+from ._copying import NotCopyable
 
 _REGISTERED_KEY = "ortbridge.kernels_registered"
 # Session config entries ("1"), set before the kernels are registered. CPU_KERNELS_ONLY: the
@@ -104,7 +105,7 @@ def _binding_outputs(result, args, kwargs):
     return binding.get_outputs()
 
 
-class InferenceSession(ort.InferenceSession):
+class InferenceSession(NotCopyable, ort.InferenceSession):
     """onnxruntime.InferenceSession that can run ortbridge PythonOp/PythonOpGrad nodes."""
 
     def __init__(self, path_or_bytes, sess_options: ort.SessionOptions | None = None, providers=None,

@@ -15,6 +15,7 @@ import onnxruntime as ort
 import torch
 
 from .. import _C, convert, runtime
+from .._copying import NotCopyable
 from .._ort_private import c_session
 from .._ort_private import training_c as _ort_c
 from ..core.nodes import DOMAIN, unname_unread_context_ids
@@ -91,7 +92,7 @@ def _ort_values(tensors, device) -> tuple:
     return vector, arrays
 
 
-class TrainingGraph:
+class TrainingGraph(NotCopyable):
     """`model`'s forward and backward from ORT's gradient builder. Arguments: the graph inputs
     `input_names`, then the initializers `weights_to_train`; gradients come for each argument of
     a floating-point type. Outputs: the graph's `output_names` (a subset of its outputs)."""
@@ -154,7 +155,7 @@ class TrainingGraph:
         return TrainingStep(self)
 
 
-class TrainingStep:
+class TrainingStep(NotCopyable):
     """One forward, and its backward, through the TrainingAgent. The contexts a training forward
     keeps are released by its backward, or when the step is dropped without one."""
 

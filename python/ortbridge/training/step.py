@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import torch
 
+from .._copying import NotCopyable
 from .._torch_private import (MutationType, OutputType, direct_apply, functorch_transforms_active,
                               is_any_autocast_enabled, is_tangent, is_traceable_wrapper_subclass,
                               leave_non_differentiable_gradients_absent, opaque_objects_saved,
                               saved_for_backward)
 
 
-class Step:
+class Step(NotCopyable):
     """The forward and backward sessions of a training capture, called as the module's flat
     function: `step(params_and_buffers + tensors)` gives the module's output tensors. (`meta`:
     the capture's ViewAndMutationMeta, AOTAutograd's metadata of inputs and outputs.)"""
