@@ -11,7 +11,7 @@ from .registry import UnknownFunctionError, pin_object, register, registered_nam
 from .runtime import InferenceSession, context_pool_size, library_path, release_context, session_options
 
 __all__ = [
-    "ExportError", "InferenceSession", "OnnxModule", "OrtGradientForwardBackward", "OrtModule", "UnknownFunctionError", "allow_operators", "context_pool_size",
+    "CaptureError", "ExportError", "InferenceSession", "OnnxModule", "OrtGradientForwardBackward", "OrtModule", "UnknownFunctionError", "allow_operators", "context_pool_size",
     "convert_from_ortmodule", "export", "library_path", "pin_object", "register", "registered_names",
     "release_context", "session_options", "unregister",
 ]
@@ -19,7 +19,7 @@ __all__ = [
 
 def __getattr__(name: str):
     # Training pulls in AOTAutograd and dynamo (over a second to import): only when asked for.
-    if name in ("OrtModule", "OnnxModule", "OrtGradientForwardBackward"):
+    if name in ("CaptureError", "OrtModule", "OnnxModule", "OrtGradientForwardBackward"):
         from . import training
         return getattr(training, name)
     raise AttributeError(f"module 'ortbridge' has no attribute {name!r}")

@@ -1,5 +1,6 @@
 """torch dtype <-> ONNX TensorProto element type, from the kernel library's one table."""
 
+import onnxruntime as ort
 import torch
 
 from . import _C
@@ -20,11 +21,16 @@ def onnx_type(dtype: torch.dtype) -> int:
 
 
 def numpy_type(dtype: torch.dtype):
-    """The numpy dtype ONNX Runtime's IOBinding takes for a torch dtype."""
+    """The element type ONNX Runtime's IOBinding takes for a torch dtype: a numpy dtype, or for
+    bfloat16, which numpy lacks, the ONNX element type (an int, which bind_input takes from
+    onnxruntime 1.20)."""
     try:
         return _NUMPY[dtype]
     except KeyError:
-        raise TypeError(f"{dtype} has no numpy type, which ONNX Runtime's IOBinding needs") from None
+        raise TypeError(f"{dtype} has no numpy type, which ONNX Runtime's IOBinding needs"
+                        f"{' (onnxruntime 1.20 or later binds it)' if dtype is torch.bfloat16 else ''}") from None
 
 
 _NUMPY = {d: torch.empty(0, dtype=d).numpy().dtype for d in TO_ONNX if d is not torch.bfloat16}
+if torch.bfloat16 in TO_ONNX and tuple(int(v) for v in ort.__version__.split(".")[:2]) >= (1, 20):
+    _NUMPY[torch.bfloat16] = TO_ONNX[torch.bfloat16]

@@ -339,6 +339,11 @@ def onnx_decompositions(registry: object) -> tuple[frozenset, dict]:
     return translated, _decomp.create_onnx_friendly_decomposition_table(translated)
 
 
+def rename_node(node: torch.fx.Node, name: str) -> None:
+    """Names an FX node `name`, or a free name made from it where another node of its graph has it."""
+    node._rename(name)
+
+
 def remove_assertion_nodes(graph_module: torch.fx.GraphModule) -> None:
     from torch.onnx._internal.exporter import _fx_passes
 
@@ -367,3 +372,24 @@ def onnx_exporter() -> types.SimpleNamespace:
 
 # The logger of torch's exporter that warns about optional packages that do not concern the user.
 ONNX_REGISTRATION_LOGGER = "torch.onnx._internal.exporter._registration"
+
+
+# --- nn.Module's hooks ----------------------------------------------------------------------------
+
+_MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def module_hooks(module: torch.nn.Module) -> dict:
+    """The forward and backward hooks registered on `module` ({kind: {handle id: hook}}, kinds
+    that have none left out)."""
+    return {kind[1:]: hooks for kind in _MODULE_HOOKS if (hooks := getattr(module, kind))}
+
+
+def global_module_hooks() -> dict:
+    """The hooks registered for every module (nn.modules.module.register_module_forward_hook...)."""
+    module = torch.nn.modules.module
+    return {kind[1:]: hooks for kind in _MODULE_HOOKS if (hooks := getattr(module, "_global" + kind))}
+
+
+# A module's own entries of __dict__, which a forward never changes (its attributes are the others).
+MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))

@@ -6,7 +6,10 @@ torch operator instead of a registered Function. It resolves only among the oper
 registered with torch in a namespace that is allowed (`aten`, `prims`, and those passed to
 `allow_operators`): never by importing a module. The node's constants are the operator's
 non-tensor arguments after two of their own: the layout (per argument, -1 for one value or the
-length of a list) and the names of the trailing keyword arguments.
+length of a list; AFTER for a tensor input that is no argument, only orders the node after the
+node that made it) and the names of the trailing keyword arguments, of which DIM_ORDERS is none
+either: ((position, dim order), ...), tensor arguments to lay out in memory in that order
+(outermost dim first) before the call.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ _DENIED = re.compile(r"(from_file|_reshape_alias|as_strided\w*|set_|_unsafe_\w*|
 _lock = threading.Lock()
 _namespaces = {"aten", "prims"}  # (prims: torch's primitives, which its decompositions emit)
 _functions: dict[str, type] = {}
+AFTER = -2  # (in a layout: see above)
+DIM_ORDERS = "_ortbridge_dim_orders"  # (a keyword: see above)
 
 
 def allow_operators(namespace: str) -> None:
@@ -137,9 +142,16 @@ def _make_function(func_name: str, op: OpOverload) -> type:
     def forward(ctx, layout, keywords, *values):
         args, given = [], iter(values)
         for size in layout:
+            if size == AFTER:
+                next(given)
+                continue
             args.append(next(given) if size < 0 else [next(given) for _ in range(size)])
         split = len(args) - len(keywords)
-        return tuple(flatten_outputs(call(*args[:split], **dict(zip(keywords, args[split:])))))
+        kwargs = dict(zip(keywords, args[split:]))
+        for position, order in kwargs.pop(DIM_ORDERS, ()):
+            x = args[position]
+            args[position] = torch.empty_permuted(x.shape, order, dtype=x.dtype, device=x.device).copy_(x)
+        return tuple(flatten_outputs(call(*args[:split], **kwargs)))
 
     def backward(ctx, *grads):
         raise RuntimeError(f"{func_name} runs as an operator node, which has no backward of its own")

@@ -72,12 +72,25 @@ def lookup(name: str) -> type:
     if cls is None and operators.is_operator_name(name):
         return operators.function(name)
     if cls is None:
-        known = ", ".join(registered_names()) or "none"
-        raise UnknownFunctionError(
-            f"func_name '{name}' is not registered with ortbridge (registered: {known}). "
-            "Import the module that defines the Function and call ortbridge.register(cls) "
-            "before creating the session.")
+        raise UnknownFunctionError(_unknown(name))
     return cls
+
+
+def _unknown(name: str) -> str:
+    """What to do about a func_name that nothing is registered under: register the Function
+    under the name the model asks for (a name that records where the class lived at export, e.g.
+    `__main__.X` from a script, is not where it lives now)."""
+    known = ", ".join(registered_names()) or "none"
+    said = f"the model calls Function '{name}', and no Function is registered under that name (registered: {known})."
+    class_name = name.rsplit(".", 1)[-1]
+    same_class = [(key, cls) for key, cls in sorted(_functions.items()) if cls.__name__ == class_name]
+    if same_class:
+        return said + "".join(f" {qualified_name(cls)} is registered as '{key}': if the model means that class, "
+                              f"register it under the model's name too: ortbridge.register({cls.__qualname__}, "
+                              f"name='{name}')." for key, cls in same_class)
+    return (f"{said} Import the Function and register it under that name before creating the session: "
+            f"ortbridge.register(YourFunction, name='{name}'). (register(cls) alone uses its module and class name "
+            "where it is imported now, which need not be the model's.)")
 
 
 def pin_object(obj: object) -> int:

@@ -304,9 +304,20 @@ def test_unregistered_function_is_refused_at_session_creation():
         session(model([node], [value("x", TP.FLOAT, [3])], [value("y")]))
     message = str(info.value)
     assert "PythonOp node 'mystery'" in message
-    assert "func_name 'mypkg.NotRegistered' is not registered with ortbridge" in message
+    assert "calls Function 'mypkg.NotRegistered', and no Function is registered under that name" in message
     assert "test_errors.Faulty" in message  # the registered names are listed
-    assert "ortbridge.register" in message  # and what to do
+    assert "ortbridge.register(YourFunction, name='mypkg.NotRegistered')" in message  # and what to do
+
+
+def test_a_function_registered_under_another_module_is_named_with_the_registration_that_fits():
+    """A file exported from a script names __main__.Faulty; where the class is registered under
+    the module it lives in, the error says so and how to register it under the file's name."""
+    node = python_op("__main__.Faulty", [T("x")], [(TP.FLOAT, 1)], out_names=["y"], name="moved")
+    with pytest.raises(ORT_ERRORS) as info:
+        session(model([node], [value("x", TP.FLOAT, [3])], [value("y")]))
+    message = str(info.value)
+    assert f"{Faulty.__module__}.Faulty is registered as '{Faulty.__module__}.Faulty'" in message
+    assert "ortbridge.register(Faulty, name='__main__.Faulty')" in message
 
 
 MALFORMED = {

@@ -711,9 +711,9 @@ def test_unregistered_function_in_a_saved_model_is_refused_with_what_to_do(tmp_p
     proto = ortbridge.export(net, (x,))
     ortbridge.unregister(user_model.NumpyTopK)
     try:
-        with pytest.raises((Fail, RuntimeException), match=r"func_name 'user_model.NumpyTopK' is not registered.*"
-                                                           r"Import the module that defines the Function and call "
-                                                           r"ortbridge.register\(cls\)"):
+        with pytest.raises((Fail, RuntimeException), match=r"calls Function 'user_model.NumpyTopK', and no Function "
+                                                           r"is registered.*ortbridge.register\(YourFunction, "
+                                                           r"name='user_model.NumpyTopK'\)"):
             run(proto, x)
     finally:
         ortbridge.register(user_model.NumpyTopK)

@@ -590,6 +590,7 @@ def test_captures_on_two_threads_leave_apply_as_it_was():
     assert not errors, errors
     assert torch.autograd.Function.__dict__["apply"] is base_apply and not _torch_private.apply_routed()
     assert "apply" not in vars(tf.BiasGelu)
+    assert not torch.compiler.is_compiling()  # (the record runs' and traces' compiling state, set one at a time)
 
 
 # --- errors -----------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import operator
 import re
 
 import onnx
@@ -22,9 +23,10 @@ from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make
 
 from .. import _dtypes, operators
 from .._torch_private import (OpOverload, detect_fake_mode, fx_config, onnx_decompositions, onnx_exporter,
-                              onnx_opsets, onnx_registry, pytree, remove_assertion_nodes)
+                              onnx_opsets, onnx_registry, pytree, remove_assertion_nodes, rename_node)
 from .functions import ExportError
 from .nodes import Arguments, emit_python_op
+from .record import size_hint
 
 log = logging.getLogger("ortbridge")
 
@@ -65,14 +67,27 @@ def _decompositions(registry_opset: int) -> tuple[frozenset, dict]:
     return translated, table
 
 
-def _needs_fallback(node: torch.fx.Node, translated: frozenset, in_pytorch=frozenset()) -> bool:
+def _random(op) -> bool:
+    """Whether `op` draws from a random generator (dropout, rand, bernoulli, normal, ...)."""
+    return isinstance(op, OpOverload) and torch.Tag.nondeterministic_seeded in op.tags
+
+
+def _in_pytorch(op, random_in_pytorch: bool) -> bool:
+    """Whether `op` runs in PyTorch although torch's exporter could write it (or decompose it)."""
+    return op in PYTORCH_PREFERRED or (random_in_pytorch and _random(op))
+
+
+def _needs_fallback(node: torch.fx.Node, translated: frozenset, in_pytorch=frozenset(),
+                    random_in_pytorch: bool = False) -> bool:
     return (node.op == "call_function" and isinstance(node.target, OpOverload)
-            and (node.target not in translated or node.target in PYTORCH_PREFERRED or node.name in in_pytorch))
+            and (node.target not in translated or _in_pytorch(node.target, random_in_pytorch)
+                 or node.name in in_pytorch))
 
 
 # ONNX Runtime's refusal of a graph that names the node torch's exporter wrote for FX node X
-# (`node_X`, or `node_X__k` for the k-th ONNX node of its translation).
-_REFUSED_NODE = re.compile(r"(?:node with name|in node \() ?'?node_([A-Za-z0-9_]+?)(?:__\d+)?[')]")
+# (`node_X`, or `node_X__k` for the k-th ONNX node of its translation), or a node ONNX Runtime's
+# optimizer made of it (`node_X/<optimizer>/`).
+_REFUSED_NODE = re.compile(r"(?:node with name|in node \(|node:) ?'?node_([A-Za-z0-9_]+?)(?:__\d+)?(?:/[^']*)?[')]")
 
 
 def node_without_kernel(error: str) -> str | None:
@@ -83,7 +98,7 @@ def node_without_kernel(error: str) -> str | None:
 
 # ONNX Runtime's refusal of a node its own optimizer made (`<node>/<optimizer>/`: a fusion into an
 # operator without a kernel for this type, as FusedMatMul of float64 before 1.20).
-_REFUSED_FUSION = re.compile(r"node:'[^']*/([A-Za-z0-9_]+)/'")
+_REFUSED_FUSION = re.compile(r"(?:node:|node with name )'[^']*/([A-Za-z0-9_]+)/'")
 
 
 def optimizer_without_kernel(error: str) -> str | None:
@@ -93,17 +108,21 @@ def optimizer_without_kernel(error: str) -> str | None:
 
 
 def exportable(program: torch.export.ExportedProgram, in_pytorch=frozenset(),
-               opset_version: int | None = None) -> torch.export.ExportedProgram:
+               opset_version: int | None = None, random_in_pytorch: bool = False) -> torch.export.ExportedProgram:
     """`program` decomposed as torch's ONNX exporter would decompose it for `opset_version`, each
     call of an operator it cannot write a fallback node; to_onnx translates it. `in_pytorch`:
-    names of nodes of the decomposed program to run as fallback nodes too."""
+    names of nodes of the decomposed program to run as fallback nodes too. `random_in_pytorch`:
+    random operators too, undecomposed, so that they draw from torch's generator as eager does
+    (ONNX's Dropout, RandomUniform, ... draw from ONNX Runtime's own, which torch.manual_seed
+    does not seed); a model file keeps them in ONNX, which runs without PyTorch."""
     translated, table = _decompositions(onnx_opsets(opset_version)[1])
     # (as torch's exporter decomposes: a dynamic dim may have an example size of 0 or 1)
     with fx_config.patch(backed_size_oblivious=True):
-        # Decomposed as torch's exporter would decompose it (less the operators PyTorch runs faster).
-        decomposed = program.run_decompositions({op: f for op, f in table.items() if op not in PYTORCH_PREFERRED})
+        # Decomposed as torch's exporter would decompose it (less the operators PyTorch runs).
+        decomposed = program.run_decompositions({op: f for op, f in table.items()
+                                                  if not _in_pytorch(op, random_in_pytorch)})
         remove_assertion_nodes(decomposed.graph_module)  # (torch's exporter drops them too)
-        fallbacks = [n for n in decomposed.graph.nodes if _needs_fallback(n, translated, in_pytorch)]
+        fallbacks = [n for n in decomposed.graph.nodes if _needs_fallback(n, translated, in_pytorch, random_in_pytorch)]
         if not fallbacks:
             return decomposed
         for node in fallbacks:
@@ -119,6 +138,8 @@ def exportable(program: torch.export.ExportedProgram, in_pytorch=frozenset(),
                                   f"'{node.target.namespace}') to let it run in PyTorch inside the graph.")
         log.info("operators run by PyTorch inside the graph: %s",
                  ", ".join(sorted({operators.name_of(n.target) for n in fallbacks})))
+        if random_in_pytorch:
+            _draw_in_order([n for n in fallbacks if _random(n.target)])
         for node in fallbacks:
             node.target = _emitter(node.target)
         # A fallback node's outputs are dense, an operator's may not be (flash attention's): a
@@ -140,7 +161,60 @@ def exportable(program: torch.export.ExportedProgram, in_pytorch=frozenset(),
         decomposed.graph_module.recompile()
         # Traced again, each fallback call emitting its node; the empty table decomposes nothing
         # (all is decomposed already), so the result is what torch's exporter translates.
-        return decomposed.run_decompositions({})
+        before = {n.name: n.target for n in decomposed.graph.nodes}
+        retraced = decomposed.run_decompositions({})
+        _names_kept(retraced, before)
+        return retraced
+
+
+def _names_kept(program: torch.export.ExportedProgram, before: dict) -> None:
+    """A trace names its nodes afresh (the next call of an operator takes the name of the one
+    made a fallback call): each node that traces a node of the graph `before` ({name: target})
+    takes that node's name back, the others are named after the node they come from (as
+    _emit_in_place names them), so that the nodes ONNX Runtime reports are those `in_pytorch` names."""
+    graph = program.graph
+    sources = {n: origin[-1].name for n in graph.nodes
+               if n.op == "call_function" and (origin := n.meta.get("from_node")) and origin[-1].name in before}
+    kept = {n for n, source in sources.items() if before[source] is n.target}
+    if all(sources[n] == n.name for n in kept):
+        return
+    names = {n: n.name for n in sources}
+    for n in sources:  # (out of the way first)
+        rename_node(n, f"{sources[n]}_{names[n]}_")
+    for n in sources:
+        rename_node(n, sources[n] if n in kept else f"{sources[n]}_{names[n]}")
+    _outputs_named(program)
+    program.graph_module.recompile()
+
+
+def _outputs_named(program: torch.export.ExportedProgram) -> None:
+    """The signature's outputs named after the values the graph returns."""
+    for spec, value in zip(program.graph_signature.output_specs, program.graph.output_node().args[0]):
+        if isinstance(spec.arg, TensorArgument):
+            spec.arg = TensorArgument(name=value.name)
+
+
+def _draw_in_order(nodes: list) -> None:
+    """Each random node after the one before it in the graph (an input of its node, which reads
+    it not): ONNX Runtime runs independent nodes in an order of its own, but draws from one
+    generator give eager's values only in eager's order."""
+    for before, node in zip(nodes, nodes[1:]):
+        node.kwargs = {**node.kwargs, _AFTER: _a_tensor_of(before)}
+
+
+def _a_tensor_of(node: torch.fx.Node) -> torch.fx.Node:
+    """A node whose value is a tensor output of `node` (itself, or a getitem of it)."""
+    values = node.meta["val"]
+    if isinstance(values, torch.Tensor):
+        return node
+    for user in node.users:
+        if user.target is operator.getitem and isinstance(user.meta.get("val"), torch.Tensor):
+            return user
+    k = next(k for k, v in enumerate(values) if isinstance(v, torch.Tensor))
+    with node.graph.inserting_after(node):
+        user = node.graph.call_function(operator.getitem, (node, k))
+    user.meta["val"] = values[k]
+    return user
 
 
 def _static_with_elements(graph: torch.fx.Graph) -> bool:
@@ -186,24 +260,32 @@ def _emit_in_place(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
     graph.erase_node(node)
 
 
-def to_onnx(program: torch.export.ExportedProgram, opset_version: int | None = None) -> onnx.ModelProto:
+def to_onnx(program: torch.export.ExportedProgram, opset_version: int | None = None,
+            optimize: bool = True) -> onnx.ModelProto:
     """`program` as exportable returns it, as ONNX: what torch.onnx.export(program, dynamo=True,
-    opset_version=opset_version) writes (optimized), with ortbridge's one copy of torch's ONNX
-    translations and without decomposing the program again."""
+    opset_version=opset_version) writes (optimized, unless not `optimize`: then each node is of the
+    translation of the FX node it names, where the optimizer's rewrites merge nodes of several),
+    with ortbridge's one copy of torch's ONNX translations and without decomposing the program again."""
     opset_version, registry_opset = onnx_opsets(opset_version)
     exporter = onnx_exporter()
     if exporter.export is None:  # (the public export, which builds its own translations)
-        return torch.onnx.export(program, (), dynamo=True, opset_version=opset_version, verbose=False).model_proto
+        return torch.onnx.export(program, (), dynamo=True, opset_version=opset_version, verbose=False,
+                                 optimize=optimize).model_proto
     registry = onnx_registry(registry_opset)
     if exporter.translate is None:  # (torch's export, which decomposes again)
-        return exporter.export(program, registry=registry, opset_version=opset_version, verbose=False).model_proto
+        return exporter.export(program, registry=registry, opset_version=opset_version, verbose=False,
+                               optimize=optimize).model_proto
     # torch's export of an ExportedProgram after its decomposition (_core.export).
     with fx_config.patch(backed_size_oblivious=True):
         exporter.insert_type_promotion_nodes(program.graph_module)
         exporter.remove_assertion_nodes(program.graph_module)
+    # (an output the promotion casts back, as a bfloat16 sum computed in float32, is the cast's
+    # value now; the exporter names the outputs after the signature)
+    _outputs_named(program)
     onnx_program = exporter.translate(program, registry=registry)
     onnx_program.model = exporter.convert_version(onnx_program.model, opset_version)
-    onnx_program.optimize()
+    if optimize:
+        onnx_program.optimize()
     return onnx_program.model_proto
 
 
@@ -221,16 +303,24 @@ def _layout(args: tuple, kwargs: dict) -> tuple[tuple, tuple, list]:
 
 
 _call_numbers = itertools.count()  # numbers every fallback call: no optimizer may merge two of them
+_AFTER = "_ortbridge_after"  # the keyword of an emitter's ordering input (_draw_in_order)
 
 
 def _emitter(op: OpOverload):
     name = operators.name_of(op)
 
     def emit(*args, **kwargs):
+        after = kwargs.pop(_AFTER, None)
         with disable_proxy_modes_tracing():  # the operator's outputs in this trace, not recorded
             result = _masked(op, op(*args, **kwargs), args, kwargs)
         outputs = operators.flatten_outputs(result)
+        if _random(op):
+            orders = tuple((k, order) for k, a in enumerate(args)
+                           if isinstance(a, torch.Tensor) and (order := _dim_order(a)) is not None)
+            kwargs = {**kwargs, operators.DIM_ORDERS: orders} if orders else kwargs
         layout, keywords, values = _layout(args, kwargs)
+        if after is not None:
+            layout, values = (*layout, operators.AFTER), [*values, after]
         arguments = Arguments(name, (layout, keywords, *values), pin=False)
         if arguments.objects:
             raise ExportError(f"operator {name} has an argument ONNX cannot hold: {arguments.objects}")
@@ -242,6 +332,16 @@ def _emitter(op: OpOverload):
 
     emit.__name__ = emit.__qualname__ = f"ortbridge_fallback_{name.replace('::', '_').replace('.', '_')}"
     return emit
+
+
+def _dim_order(t: torch.Tensor) -> tuple | None:
+    """The order of t's dims in memory, outermost first, where it is not their logical order (a
+    transposed view, as attention's output): a random operator fills a new tensor laid out like
+    its input (empty_like) in memory order, and ONNX Runtime's tensors are laid out logically."""
+    sizes, strides = [size_hint(d) for d in t.shape], [size_hint(s) for s in t.stride()]
+    order = sorted(range(t.dim()), key=lambda d: -strides[d])
+    moved = [d for d in order if sizes[d] != 1]  # (where a dim of size 1 is does not matter)
+    return tuple(order) if moved != sorted(moved) else None
 
 
 def _masked(op: OpOverload, result, args: tuple, kwargs: dict):

@@ -9,6 +9,7 @@ import onnx
 import torch
 
 from .. import _dtypes, registry
+from .. import _torch_private
 from .._torch_private import DYNAMO_FUNCTION_MODULE, pytree, saved_tensors_hooks_enabled
 from .functions import ExportError, bind
 from .interception import intercepted
@@ -18,10 +19,12 @@ class Call:
     """One recorded top-level call of an exported Function."""
 
     def __init__(self, func: type, arguments: Arguments, args: tuple, result, training: bool, updated: list,
-                 saved: list = ()):
+                 saved: list = (), writes: dict | None = None):
         """`arguments` were taken before forward ran (forward may change a list or dict it got);
-        `saved`: the tensor inputs forward saved for backward (or a view of)."""
+        `saved`: the tensor inputs forward saved for backward (or a view of); `writes`: {argument
+        position: its content after forward} of each list or dict argument forward changed."""
         self.func = func
+        self.writes = writes or {}
         self.saved_inputs = [i for i in saved if i not in updated]  # (an input updated in place is the output)
         name = arguments.constants["func_name"]
         self.constants = arguments.constants
@@ -62,6 +65,16 @@ class Call:
     @property
     def name(self) -> str:
         return self.attrs["func_name"]
+
+    def replay_writes(self, args: tuple) -> None:
+        """Makes a traced call's list and dict arguments what forward left them in the eager run
+        (a traced call does not run forward; its caller may read what forward wrote there)."""
+        for i, content in self.writes.items():
+            if isinstance(content, dict):
+                args[i].clear()
+                args[i].update(content)
+            else:
+                args[i][:] = content
 
     def returned(self, tensors: list, outputs) -> object:
         """What apply returns in a traced graph given the node's outputs: as in eager, an input
@@ -117,7 +130,8 @@ class CallTable:
 
     def match(self, func: type, args: tuple, kwargs: dict) -> tuple[Arguments, Call]:
         """The traced call's arguments and the recorded call it is."""
-        arguments = Arguments(registry.registered_name(func), bind(func, args, kwargs), pin=False)
+        args = bind(func, args, kwargs)
+        arguments = Arguments(registry.registered_name(func), args, pin=False)
         traced = [[size_hint(d) for d in t.shape] for t in arguments.tensors]
         key = (func, arguments.key(traced))
         recorded = self.calls.get(key)
@@ -127,7 +141,9 @@ class CallTable:
                               "model must call its Functions the same way on every run with these inputs.")
         self._matched.add(key)
         requiring_grad = tuple(t.requires_grad for t in arguments.tensors)
-        return arguments, recorded.get(requiring_grad) or next(iter(recorded.values()))
+        call = recorded.get(requiring_grad) or next(iter(recorded.values()))
+        call.replay_writes(args)
+        return arguments, call
 
     def _difference(self, key) -> str:
         func, (constants, objects, dtypes, shapes) = key
@@ -165,9 +181,13 @@ class Recorder:
     registered ones, or every Function with `all_functions` (those are registered here, under
     their qualified names). Calls made inside an exported Function's forward stay inside it."""
 
-    def __init__(self, all_functions: bool, training: bool):
+    def __init__(self, all_functions: bool, training: bool, compiling: bool = True):
+        """`compiling`: the run sees torch.compiler.is_compiling() and is_exporting() true, as the
+        trace that follows does (torch.export's, AOTAutograd's in a capture), so that library
+        code takes one branch in both."""
         self.all_functions = all_functions
         self.training = training
+        self.compiling = compiling
         self.calls: list[Call] = []
         self.traced_through: set[str] = set()  # Functions seen but not exported
         self._depth = 0
@@ -193,7 +213,9 @@ class Recorder:
         cuda = sorted({t.device.index or 0 for t in (*model.parameters(), *model.buffers(), *arguments)
                        if t.device.type == "cuda"})
         try:  # (outside the caller's saved-tensor hooks, as torch.utils.checkpoint's: this run's are not theirs)
+            # (compiling state after intercepted: that holds a lock, and the state is the process's)
             with torch.random.fork_rng(devices=cuda), grad, intercepted(None, self._apply), \
+                    _torch_private.compiling_state_context() if self.compiling else contextlib.nullcontext(), \
                     _saved_tensor_hooks(_detached):
                 model(*args, **kwargs)
         finally:  # (also when a call cannot be recorded)
@@ -213,6 +235,7 @@ class Recorder:
         arguments = Arguments(name, args)  # before forward runs, which may change a list or dict it got
         tensors = arguments.tensors
         versions = [_version(t) for t in tensors]
+        containers = {i: _contents(a) for i, a in enumerate(args) if type(a) in (list, dict)}
         saved = set()  # storage addresses of what forward kept for backward
         self._depth += 1
         try:
@@ -227,8 +250,28 @@ class Recorder:
                 break
         saved.discard(None)
         saved_inputs = [i for i, t in enumerate(tensors) if _storage_address(t) in saved]
-        self.calls.append(Call(func, arguments, args, result, self.training, updated, saved_inputs))
+        writes = {i: _copy(args[i]) for i, before in containers.items() if not _same(_contents(args[i]), before)}
+        for i, content in writes.items():
+            values = content.values() if isinstance(content, dict) else content
+            if any(isinstance(v, torch.Tensor) for v in values):
+                raise ExportError(f"{name}.forward put a tensor into its argument {i} (a {type(content).__name__}); "
+                                  "a graph cannot give it to the caller. Return it as an output instead.")
+        self.calls.append(Call(func, arguments, args, result, self.training, updated, saved_inputs, writes))
         return result
+
+
+def _contents(container) -> list:
+    """A list's or dict's (key, value) entries."""
+    return list(container.items() if isinstance(container, dict) else enumerate(container))
+
+
+def _same(contents: list, before: list) -> bool:
+    """Whether no entry was written: the same keys, each with the same object (by identity)."""
+    return len(contents) == len(before) and all(k == b and v is w for (k, v), (b, w) in zip(contents, before))
+
+
+def _copy(container):
+    return dict(container) if isinstance(container, dict) else list(container)
 
 
 def _saved_storages(addresses: set):

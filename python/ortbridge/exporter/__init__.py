@@ -33,9 +33,13 @@ def export(model: torch.nn.Module, args, f=None, *, kwargs: dict | None = None, 
     Arguments held by reference (objects other than plain values) are valid only in this
     process: saving such a model needs `allow_object_references=True`.
     """
+    from ..training.module import OrtModule  # (an OrtModule exports as the module it wraps)
+
+    while isinstance(model, OrtModule):
+        model = model.module
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     kwargs = kwargs or {}
-    recorder = Recorder(all_functions, training)
+    recorder = Recorder(all_functions, training, compiling=dynamo)
     was_training = model.training
     model.train(training)
     try:

@@ -14,6 +14,8 @@ Runtime, glued into torch autograd by AOTAutograd.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import os
 import time
@@ -27,10 +29,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .._torch_private import (DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode,
                               TracingContext, aot_module_simplified, capture_config, compiling_state_context,
                               decomposition_table, get_decompositions, pytree, tracing)
+from .._copying import NotCopyable
 from ..core.interception import intercepted
 from ..core.record import CallTable, Recorder
 from . import ops
 from .graph import GraphSession
+from .model_state import CaptureError, attributes, refuse_changes, refuse_mistraced
 from .partition import partition
 from .step import Step
 
@@ -73,6 +77,62 @@ def _select_backward(grad, input_sizes, dim, index):
 
 
 _DECOMPOSITIONS[aten.select_backward.default] = _select_backward
+
+
+def _in_float32(op, otherwise=None):
+    """A norm `op` (its input first, weights and statistics among its other arguments) of a
+    bfloat16 or float16 input on the CPU, run in float32 as torch's kernel computes it, each output
+    cast to the type that kernel gives it: the input's; for the saved statistics float32 where
+    the weights are (as CPU autocast leaves them), else the input's; for updated running statistics
+    theirs. Torch's meta functions give other types there (which the trace, and a fallback node,
+    would give), torch's exporter too (float32 statistics of LayerNormalization), and ONNX's
+    norms take one type for input and weights. `otherwise`: what runs any other call (a
+    decomposition of torch's; None: the operator). (Their backward stays torch's own.)"""
+    def norm(x, *args):
+        if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
+            return NotImplemented if otherwise is None else otherwise(x, *args)
+        params = [a for a in args if isinstance(a, torch.Tensor)]
+        stats = torch.float32 if any(p.dtype != x.dtype for p in params) else x.dtype
+        out, mean, rstd, *running = (otherwise or op)(x.float(), *(a.float() if isinstance(a, torch.Tensor) else a
+                                                                   for a in args))
+        return out.to(x.dtype), mean.to(stats), rstd.to(stats), *(r.to(p.dtype) for r, p in zip(running, params[-2:]))
+
+    return norm
+
+
+for _op in (aten.native_layer_norm.default, aten.native_group_norm.default,
+            aten._native_batch_norm_legit_functional.default, aten._native_batch_norm_legit_no_training.default):
+    _DECOMPOSITIONS[_op] = _in_float32(_op)
+_no_stats = aten._native_batch_norm_legit.no_stats  # (instance norm, batch norm without running statistics)
+_DECOMPOSITIONS[_no_stats] = _in_float32(_no_stats, _DECOMPOSITIONS[_no_stats])
+
+
+def _group_norm_backward_in_float32(grad, x, mean, rstd, weight, *args):
+    """Group norm's backward likewise: torch's meta function gives the input's gradient float32
+    beside float32 weights, its CPU kernel the input's type."""
+    if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
+        return NotImplemented
+    grads = aten.native_group_norm_backward.default(grad.float(), x.float(), mean.float(), rstd.float(),
+                                                    None if weight is None else weight.float(), *args)
+    dtypes = (x.dtype, *[torch.float32 if weight is None else weight.dtype] * 2)
+    return tuple(None if g is None else g.to(dtype) for g, dtype in zip(grads, dtypes))
+
+
+_DECOMPOSITIONS[aten.native_group_norm_backward.default] = _group_norm_backward_in_float32
+
+
+def _layer_norm_backward_in_float32(grad, x, normalized_shape, mean, rstd, weight, bias, output_mask):
+    """Layer norm's backward likewise: each gradient in its input's type (torch 2.9's meta function
+    gave the weights' gradients the input's type beside float32 weights, its CPU kernel theirs)."""
+    if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
+        return NotImplemented
+    grads = aten.native_layer_norm_backward.default(
+        grad.float(), x.float(), normalized_shape, mean.float(), rstd.float(),
+        *(None if w is None else w.float() for w in (weight, bias)), output_mask)
+    return tuple(None if g is None else g.to(like.dtype) for g, like in zip(grads, (x, weight, bias)))
+
+
+_DECOMPOSITIONS[aten.native_layer_norm_backward.default] = _layer_norm_backward_in_float32
 
 
 def _tiled_pads_as_cat(gm: torch.fx.GraphModule) -> None:
@@ -143,6 +203,32 @@ def _tiling_slots(leaves: list, shape) -> tuple[int, list] | None:
     return (dim, [leaf for _, _, leaf in spans]) if end == shape[dim] else None
 
 
+def flatten(tree) -> tuple[list, object]:
+    """pytree.tree_flatten, where a dataclass that pytree does not know is a node of its fields
+    (not a leaf: its tensors would be the trace's, or constants of the graph). (transformers
+    registers its ModelOutputs itself, but not those it first imports while torch compiles.)"""
+    leaves, spec = pytree.tree_flatten(tree)
+    unknown = {type(x) for x in leaves if dataclasses.is_dataclass(x) and not isinstance(x, type)
+               and type(x) not in pytree.SUPPORTED_NODES}
+    if not unknown:
+        return leaves, spec
+    for cls in unknown:
+        names = tuple(f.name for f in dataclasses.fields(cls))
+        pytree.register_pytree_node(cls, lambda x, names=names: ([getattr(x, n) for n in names], names),
+                                    functools.partial(_dataclass_of, cls))
+    return flatten(tree)
+
+
+def _dataclass_of(cls: type, values, names: tuple) -> object:
+    """The dataclass made as its caller makes it (through __init__: a ModelOutput is also a dict
+    its __post_init__ fills), its other fields then set as they were."""
+    fields = dict(zip(names, values))
+    obj = cls(**{f.name: fields.pop(f.name) for f in dataclasses.fields(cls) if f.init})
+    for name, value in fields.items():
+        object.__setattr__(obj, name, value)  # (frozen ones too)
+    return obj
+
+
 class _Tensor:
     """Marks where a tensor goes in a flattened argument list."""
 
@@ -177,7 +263,7 @@ class _Flat(torch.nn.Module):
 
     def forward(self, *tensors):
         args, kwargs = pytree.tree_unflatten(_filled(self.leaves, tensors), self.spec)
-        leaves, self.result_spec = pytree.tree_flatten(self.module(*args, **kwargs))
+        leaves, self.result_spec = flatten(self.module(*args, **kwargs))
         self.result_leaves = _template(leaves)
         self.one_tensor = self.result_spec.is_leaf() and self.result_leaves == [_TENSOR]
         return tuple(x for x in leaves if isinstance(x, torch.Tensor))
@@ -226,11 +312,7 @@ def _data_dependent_error(error: Exception) -> CaptureError:
         "which runs in PyTorch.")
 
 
-class CaptureError(RuntimeError):
-    """A module ortbridge cannot capture; the message says where and what to do."""
-
-
-class Capture:
+class Capture(NotCopyable):
     """The module captured for one signature of (args, kwargs): call it with their tensors.
     With `dynamic`, tensor sizes are symbols: the capture serves every call its guards accept
     (the relations between sizes that the trace relied on)."""
@@ -239,11 +321,14 @@ class Capture:
                  options: dict | None = None, name: str = "graph"):
         self.options = options or {}
         self.name = name
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        leaves, spec = flatten((args, kwargs))
         self.flat = _Flat(module, spec, leaves)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         recorder = Recorder(all_functions, training=torch.is_grad_enabled())
+        refuse_mistraced(module)
+        before = attributes(module)
         recorder.run(module, args, kwargs)
+        refuse_changes(before, module)
         table = CallTable(recorder.calls)
         self.sessions: list[GraphSession] = []  # forward or inference graph, then backward graph
         self._guards = None

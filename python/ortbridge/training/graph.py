@@ -26,10 +26,11 @@ import sympy
 import torch
 
 from .. import _C, _dtypes, runtime
+from .._copying import NotCopyable
 from .._ort_private import c_device, c_session
 from .._torch_private import FloorDiv, PythonPrinter, storage_users, tensor_use_count, unset_fake_temporarily
 from .._runner import _from_dlpack, _lent_buffers
-from ..core import fallback
+from ..core import fallback, kernels
 from ..core.nodes import DOMAIN, emit_python_op, name_nodes, quiet_exporter, unname_unread_context_ids
 from ..core.record import size_hint
 from . import ops
@@ -154,7 +155,7 @@ def default_session_options(largest_tensor: int | None = None, spinning: bool = 
     return options
 
 
-class _SpinningTrial:
+class _SpinningTrial(NotCopyable):
     """ORT's pool threads either sleep between runs, waking for each parallel operator (tens of
     us each), or spin while a run lasts, with torch on one thread inside it (torch's work in
     Functions and fallback nodes would otherwise share its cores with them: steps several times
@@ -270,7 +271,7 @@ def _is_context_vector_input(node: torch.fx.Node) -> bool:
                                     for u in node.users)
 
 
-class OnnxGraph:
+class OnnxGraph(NotCopyable):
     """An AOTAutograd graph rewritten for torch's ONNX exporter (pure FX, no ONNX Runtime):
     python_op / python_op_grad nodes emit PythonOp / PythonOpGrad, sizes given as inputs are
     read from the tensors, and the outputs are what ONNX Runtime computes (`computed`). Every
@@ -380,16 +381,17 @@ class OnnxGraph:
         graph.eliminate_dead_code()
         gm.recompile()
 
-    def to_onnx(self, in_pytorch: set = frozenset()) -> onnx.ModelProto:
-        """The graph as ONNX; nodes named in `in_pytorch` (of the decomposed graph) run in PyTorch."""
-        model = _export(self.module, self.input_values, in_pytorch)
+    def to_onnx(self, in_pytorch: set = frozenset(), optimize: bool = True) -> onnx.ModelProto:
+        """The graph as ONNX; nodes named in `in_pytorch` (of the decomposed graph) run in PyTorch.
+        (Not `optimize`d: fallback.to_onnx.)"""
+        model = _export(self.module, self.input_values, in_pytorch, optimize)
         _spread_gradient_outputs(model.graph)
         unname_unread_context_ids(model.graph)
         name_nodes(model.graph)  # (errors name the node: PythonOp_<Function>_<k>)
         return model
 
 
-class GraphSession:
+class GraphSession(NotCopyable):
     """Runs an AOTAutograd graph in ONNX Runtime: called with a list of tensors (and ints, for
     symbolic sizes; AOTAutograd's boxed calling convention), returns the graph's outputs. A
     graph with nothing to compute (its outputs are inputs, sizes or constants) has no session."""
@@ -404,7 +406,8 @@ class GraphSession:
         if not graph.outputs:
             return
         # A node ONNX Runtime has no kernel for (an operator on a type its kernels do not take: Relu
-        # of int64, ArgMax of bool) runs in PyTorch instead, and the graph is exported again.
+        # of int64, ArgMax of bool, most of bfloat16 on the CPU) runs in PyTorch instead, and the
+        # graph is exported again: once refused, every such node of the graph at once (kernels.py).
         # A node ONNX Runtime's optimizer made without a kernel for its type: that optimizer is off.
         in_pytorch: set[str] = set()
         self._disabled_optimizers: set[str] = set()
@@ -417,6 +420,15 @@ class GraphSession:
                                                         disabled_optimizers=self._disabled_optimizers)
                 break
             except (ort_capi.NotImplemented, ort_capi.InvalidGraph) as e:
+                # (asked of the graph before the exporter's optimizer, which merges the nodes of
+                # several FX nodes into one, named after one of them)
+                unoptimized = graph.to_onnx(in_pytorch, optimize=False)
+                refused = kernels.without_kernel(unoptimized, _providers(providers, graph.device)) - in_pytorch
+                if refused:
+                    log.info("ONNX Runtime has no kernel for %s (it refused the graph: %s): they run in PyTorch",
+                             ", ".join(sorted(refused)), str(e).splitlines()[0])
+                    in_pytorch |= refused
+                    continue
                 optimizer = fallback.optimizer_without_kernel(str(e))
                 if optimizer is not None and optimizer not in self._disabled_optimizers:
                     log.info("ONNX Runtime's %s made a node it has no kernel for (%s): that optimizer is off",
@@ -444,7 +456,7 @@ class GraphSession:
         # ORT device, numpy type) per output, through the C binding (the Python wrapper costs ~10 us
         # per tensor). Context ids are bound once per binding instead (see _Binding).
         on_device = _ort_device(graph.device)
-        self.input_bindings = [(name, k, _ort_device(value.device), _dtypes.numpy_type(value.dtype))
+        self.input_bindings = [(name, k, _ort_device(value.device), _dtypes.numpy_type(value.dtype), value)
                                for name, k, value in zip(input_names, graph.tensor_inputs, graph.input_values)]
         self.output_bindings = [(name, on_device, _dtypes.numpy_type(dtype))
                                 for name, (dtype, is_context) in zip(output_names, graph.outputs) if not is_context]
@@ -524,10 +536,13 @@ class GraphSession:
         # bind of the same pointer and shape binds the same thing): parameters keep their
         # buffers between steps.
         bind_input, bind_output, bound = binding.ort.bind_input, binding.ort.bind_output, binding.bound
-        for j, (name, k, device, numpy_type) in enumerate(self.input_bindings):
+        for j, (name, k, device, numpy_type, value) in enumerate(self.input_bindings):
             t = inputs[k]
             where = (t.data_ptr() or _placeholder_address(t), t.shape)
             if bound[j] != where:
+                # (a tensor of another dtype, device or size is in another buffer: checked here only)
+                if t.dtype != value.dtype or t.device != value.device or not _fits(t.shape, value.shape):
+                    raise GraphInputChanged(name, t, value)
                 bind_input(name, device, numpy_type, where[1], where[0])
                 bound[j] = where
         graph = self.graph
@@ -561,6 +576,20 @@ class GraphSession:
             contexts = _run_in_scope(session, binding, lent)
             current.wait_stream(self.stream)
         return outputs, contexts
+
+
+class GraphInputChanged(RuntimeError):
+    """A graph's input is another dtype, device or size than it was captured for: a parameter or
+    buffer changed in place (model.double(), .to(device), .data = ...)."""
+
+    def __init__(self, name: str, given: torch.Tensor, captured: torch.Tensor):
+        super().__init__(f"graph input {name} is {given.dtype} {list(given.shape)} on {given.device}; the graph was "
+                         f"captured for {captured.dtype} {list(captured.shape)} on {captured.device}")
+
+
+def _fits(shape, captured) -> bool:
+    """Whether a shape has the captured one's static sizes (a symbolic size takes any)."""
+    return len(shape) == len(captured) and all(not isinstance(c, int) or s == c for s, c in zip(shape, captured))
 
 
 def _references(kept: dict, j: int) -> int:
@@ -600,7 +629,7 @@ def _run_in_scope(session, binding: _Binding, lent: list) -> torch.Tensor | None
     return contexts
 
 
-class _Binding:
+class _Binding(NotCopyable):
     """ORT's IOBinding of a session, with its context ids bound once to buffers of their own (a
     bind costs about as much as a Function call): ORT writes a forward graph's ids into `ids_out`;
     a backward graph's are copied into `ids_in` before each run. One per concurrent run."""
@@ -637,7 +666,7 @@ def _placeholder_address(t: torch.Tensor) -> int:
     return _PLACEHOLDERS[t.device].data_ptr()
 
 
-def _export(gm: torch.fx.GraphModule, inputs: list, in_pytorch: set) -> onnx.ModelProto:
+def _export(gm: torch.fx.GraphModule, inputs: list, in_pytorch: set, optimize: bool = True) -> onnx.ModelProto:
     """The graph as ONNX, its inputs' symbolic dims dynamic."""
     # (with the traced strides: the graph may view an input in ways only its own layout allows;
     # on its device, where the graph makes its own tensors)
@@ -649,5 +678,6 @@ def _export(gm: torch.fx.GraphModule, inputs: list, in_pytorch: set) -> onnx.Mod
     with quiet_exporter(), unset_fake_temporarily():
         dynamic = dynamic if any(dynamic) else None
         program = torch.export.export(gm, example, dynamic_shapes=dynamic, strict=False)
-        return fallback.to_onnx(fallback.exportable(program, in_pytorch=in_pytorch))
+        return fallback.to_onnx(fallback.exportable(program, in_pytorch=in_pytorch, random_in_pytorch=True),
+                                optimize=optimize)
 

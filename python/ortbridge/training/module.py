@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
+import operator
 import os
 import time
 
@@ -11,8 +13,9 @@ import onnxruntime as ort
 import torch
 import torch.nn.modules.module as nn_module
 
-from .._torch_private import pytree
-from .capture import Capture
+from .capture import Capture, flatten
+from .graph import GraphInputChanged
+from .model_state import Constants, Hooks, settings
 
 log = logging.getLogger("ortbridge")
 
@@ -30,6 +33,9 @@ for _hook in (nn_module.register_module_parameter_registration_hook,
     _hook(_registered)
 
 
+_training, _requires_grad = operator.attrgetter("training"), operator.attrgetter("requires_grad")
+
+
 def _signature(leaf, dynamic: bool) -> object:
     if isinstance(leaf, torch.Tensor):
         return (leaf.dtype, leaf.dim() if dynamic else leaf.shape, leaf.device, leaf.requires_grad)
@@ -40,6 +46,13 @@ def _signature(leaf, dynamic: bool) -> object:
     return (type(leaf), leaf)
 
 
+def _to_wrapped_names(module, state_dict: dict, prefix: str, *args) -> None:
+    """A parent's checkpoint names the wrapped module's entries as OrtModule.state_dict does,
+    `<prefix><name>`; loading reads them from the OrtModule's child, `<prefix>module.<name>`."""
+    for name in [k for k in state_dict if k.startswith(prefix)]:
+        state_dict[f"{prefix}module.{name[len(prefix):]}"] = state_dict.pop(name)
+
+
 class OrtModule(torch.nn.Module):
     """Wraps `module` so that ONNX Runtime runs its forward and backward graphs, with every
     autograd.Function it calls run by PyTorch as a PythonOp (forward) and PythonOpGrad
@@ -47,8 +60,15 @@ class OrtModule(torch.nn.Module):
     `.grad` work as in eager mode.
 
     A graph is captured for each signature of the arguments (tensor dtypes, shapes, devices and
-    requires_grad; other values), train/eval mode and grad mode, on first use, and again once the
-    module's parameters or buffers are other tensors (a layer replaced, load_state_dict(assign=True)). With
+    requires_grad; other values) and of what its trace read besides them: each submodule's
+    train/eval mode, the parameters' requires_grad, grad mode, autocast, deterministic algorithms,
+    float32 matmul precision, hooks, and the plain values among the modules' attributes (dropout's
+    p, a flag). It is captured again once the module's submodules, parameters or buffers are others
+    (a layer replaced, load_state_dict(assign=True)) or change dtype, device or size in place
+    (model.double(), .to()). A hook on a submodule that a graph cannot run (any but weight_norm's
+    and spectral_norm's) and a forward that changes the model's Python attributes are refused
+    (CaptureError); hooks on the OrtModule itself run in PyTorch around the graphs. A copy
+    (deepcopy, pickle, torch.save) captures again at its first call. With
     `dynamic=True` tensor sizes are symbols instead: a capture serves every call with sizes that
     meet the relations its trace relied on (sizes 0 and 1 are specialized, as torch does). Under
     torch.no_grad (or when nothing needs a gradient) an inference graph runs, which keeps no
@@ -75,39 +95,75 @@ class OrtModule(torch.nn.Module):
         self.options = {"session_options": session_options, "providers": providers,
                         "save_graphs": os.fspath(save_graphs) if save_graphs is not None else None}
         self._captures: dict = {}  # signature -> the captures made for it
-        self._state: tuple = ((), ())  # the module's parameters and buffers, which the captures hold
+        self._state: tuple = ((), (), ())  # the module's submodules, parameters and buffers, which the captures hold
         self._state_registrations = None  # _registrations when _state was read
+        self._submodules: list = []  # the module's named_modules()
+        self._hooks = Hooks()
+        # Nested in a parent module, a checkpoint has the wrapped module's names here too.
+        self.register_load_state_dict_pre_hook(_to_wrapped_names)
 
     def forward(self, *args, **kwargs):
         if not kwargs and all(type(x) is torch.Tensor for x in args):  # (no pytree walk: most calls)
             leaves, spec = args, len(args)
         else:
-            leaves, spec = pytree.tree_flatten((args, kwargs))
+            leaves, spec = flatten((args, kwargs))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        key, capture = self.lookup(leaves, spec, tensors)
+        capture = capture or self._capture(key, args, kwargs)
+        try:
+            return capture(tensors)
+        except GraphInputChanged as e:  # (a parameter or buffer changed dtype, device or size in place)
+            log.info("%s: %s; capturing again", capture.name, e)
+            self._captures.clear()
+            return self._capture(key, args, kwargs)(tensors)
+
+    def lookup(self, leaves, spec, tensors: list) -> tuple[tuple, Capture | None]:
+        """(the key of a call with these flattened arguments, the capture that serves it or None):
+        the check each call makes (benchmarks/guard_cost.py measures it)."""
         if self._state_registrations != _registrations[0]:
             self._check_state()
-        key = (self.module.training, torch.is_grad_enabled(), spec,
-               tuple(_signature(x, self.dynamic) for x in leaves),
-               tuple(p.requires_grad for p in self._state[0]))
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        key = (tuple(map(_training, self._state[0])), settings(), self._hooks.check(self._submodules),
+               spec, tuple(_signature(x, self.dynamic) for x in leaves), tuple(map(_requires_grad, self._state[1])))
+        captures = self._captures.get(key, ())
+        return key, next((c for c in captures if c.constants.hold() and c.accepts(tensors)), None)
+
+    def _capture(self, key: tuple, args: tuple, kwargs: dict) -> Capture:
         captures = self._captures.setdefault(key, [])
-        capture = next((c for c in captures if c.accepts(tensors)), None)
-        if capture is None:
-            name = f"{type(self.module).__name__}_{hashlib.sha1(repr(key).encode()).hexdigest()[:10]}_{len(captures)}"
-            log.info("capturing %s (%s mode, %d tensor arguments)", name, "train" if key[0] else "eval", len(tensors))
-            started = time.perf_counter()
-            capture = Capture(self.module, args, kwargs, self.all_functions, self.dynamic, self.options, name)
-            log.info("captured %s in %.2f s", name, time.perf_counter() - started)
-            captures.append(capture)
-        return capture(tensors)
+        name = f"{type(self.module).__name__}_{hashlib.sha1(repr(key).encode()).hexdigest()[:10]}_{len(captures)}"
+        log.info("capturing %s (%s mode)", name, "train" if self.module.training else "eval")
+        started = time.perf_counter()
+        constants = Constants(self._submodules)
+        capture = Capture(self.module, args, kwargs, self.all_functions, self.dynamic, self.options, name)
+        capture.constants = constants
+        log.info("captured %s in %.2f s", name, time.perf_counter() - started)
+        captures.append(capture)
+        return capture
 
     def _check_state(self) -> None:
-        """Drops the captures when the module's parameters or buffers are other tensors than those
-        they hold (a layer replaced, load_state_dict(assign=True))."""
-        state = (list(self.module.parameters()), list(self.module.buffers()))
+        """Drops the captures when the module's submodules, parameters or buffers are others than
+        those they hold (a layer replaced, load_state_dict(assign=True))."""
+        submodules = list(self.module.named_modules())
+        state = ([m for _, m in submodules], list(self.module.parameters()), list(self.module.buffers()))
         if any(len(now) != len(then) or any(a is not b for a, b in zip(now, then))
                for now, then in zip(state, self._state)):
             self._captures.clear()
         self._state, self._state_registrations = state, _registrations[0]
+        self._submodules = submodules
+        self._hooks.forget()
+
+    # A copy (deepcopy, pickle, torch.save) holds no capture: it captures again at its first call.
+    def __getstate__(self):
+        return dict(vars(self), _captures={}, _state=((), (), ()), _state_registrations=None, _submodules=[],
+                    _hooks=Hooks())
+
+    def __deepcopy__(self, memo: dict):
+        options = self.options["session_options"]
+        if options is not None:  # (shared: ONNX Runtime only reads a session's options)
+            memo[id(options)] = options
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return copied
 
     # The wrapped module's names, as ORTModule gave them: optimizer parameter groups and
     # checkpoints written for the bare module work unchanged.

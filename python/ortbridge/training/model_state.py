@@ -1,0 +1,163 @@
+"""What a capture depends on besides its arguments, and the state it cannot carry.
+
+A captured graph runs without the model's Python code. So everything its trace read that is not
+an argument decides whether the graph may run again (the state key: each module's train/eval
+mode, autocast, the settings below); hooks run only where their work is a tensor computation the
+trace recorded, others are refused; and a forward that changes the model's Python attributes is
+refused, as the graph would not change them again.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
+from torch.utils.hooks import RemovableHandle
+
+from .._torch_private import MODULE_INTERNALS, global_module_hooks, module_hooks
+
+
+class CaptureError(RuntimeError):
+    """A module ortbridge cannot capture; the message says where and what to do."""
+
+
+# Hooks whose whole work is a parameter computed from others (weight_norm, spectral_norm): the
+# trace records that computation, which every run of the graph repeats. They set that parameter
+# as a plain attribute on each call (`hook.name`).
+TRACED_HOOKS = (WeightNorm, SpectralNorm)
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+_VALUES = (int, float, complex, bool, str, bytes, type(None))
+
+
+def settings() -> tuple:
+    """Global settings a trace reads: grad mode, autocast per device type (whether on, its
+    dtype), deterministic algorithms, float32 matmul precision."""
+    return (torch.is_grad_enabled(),
+            *((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES),
+            torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision())
+
+
+class Hooks:
+    """The hooks of a module tree, read again only when some hook may have changed: a hook's
+    registration numbers it (RemovableHandle.next_id), so while none is registered and none was
+    there, none is; where some are, they are read on each call (a removal numbers nothing)."""
+
+    def __init__(self):
+        self._numbered = -1  # RemovableHandle.next_id when last read
+        self.key: tuple = ()  # (module index, kind, hook ids) of each traced hook
+
+    def check(self, modules: list) -> tuple:
+        """The key of the hooks on `modules` [(name, module)]; raises CaptureError for a hook a
+        graph cannot run."""
+        if self._numbered != RemovableHandle.next_id or self.key:
+            self.key = _hooks_key(modules)  # (raising, it leaves them to be read again)
+            self._numbered = RemovableHandle.next_id
+        return self.key
+
+    def forget(self) -> None:
+        """Read them again at the next check (the modules are others)."""
+        self._numbered = -1
+
+
+def _hooks_key(modules: list) -> tuple:
+    for kind, hooks in global_module_hooks().items():
+        raise CaptureError(f"a global module {kind[:-1].replace('_', ' ')} is registered "
+                           f"({next(iter(hooks.values()))!r}); inside a captured graph it would run only while "
+                           "capturing, on trace tensors, never on later calls. Remove it while using OrtModule.")
+    key = []
+    for index, (name, module) in enumerate(modules):
+        for kind, hooks in module_hooks(module).items():
+            untraced = [h for h in hooks.values() if not isinstance(h, TRACED_HOOKS)]
+            if untraced:
+                where = f"submodule '{name}'" if name else "the wrapped module"
+                raise CaptureError(
+                    f"{where} ({type(module).__name__}) has a {kind[:-1].replace('_', ' ')} ({untraced[0]!r}); a "
+                    "captured graph runs without the model's Python code, so the hook would run only while "
+                    "capturing, on trace tensors, never on later calls. Register it on the OrtModule instead (its "
+                    "hooks run in PyTorch around the graphs, with real tensors), or remove it.")
+            key.append((index, kind, tuple(hooks)))
+    return tuple(key)
+
+
+class Constants:
+    """The plain values among the modules' attributes (numbers, strings, None, tuples of them:
+    dropout's p, a conv's padding, a flag such as grad_checkpointing), which a trace reads as
+    constants: a capture runs only while they hold (one get and compare per module)."""
+
+    def __init__(self, modules: list):
+        self._held = []  # (a module's __dict__, a getter of its plain values' names, their values)
+        for _, m in _written_in_python(modules):
+            names = [k for k, v in vars(m).items() if k not in MODULE_INTERNALS and _plain(v)]
+            if names:
+                get = operator.itemgetter(*names, *names[:1])  # (twice the first: a tuple, for one name too)
+                self._held.append((vars(m), get, get(vars(m))))
+
+    def hold(self) -> bool:
+        try:
+            return all(get(attributes) == values for attributes, get, values in self._held)
+        except KeyError:  # (an attribute deleted)
+            return False
+
+
+def _written_in_python(modules):
+    """The modules whose attributes are the model's: not an FX graph's (dynamo's graph for the
+    torch.compile backend), whose code FX makes and sets itself at its first call."""
+    return ((name, m) for name, m in modules if not isinstance(m, torch.fx.GraphModule))
+
+
+def _plain(value) -> bool:
+    return type(value) in _VALUES or (type(value) is tuple and all(type(v) in _VALUES for v in value))
+
+
+def refuse_mistraced(module: torch.nn.Module) -> None:
+    """Raises CaptureError for a submodule whose trace differs from eager: a multi-layer RNN with
+    dropout in training, whose dropout between layers torch's decomposition leaves out (a
+    condition that is never true, torch/_decomp/decompositions.py, _rnn_helper; 2.9 to 2.15)."""
+    for name, m in module.named_modules():
+        if isinstance(m, torch.nn.RNNBase) and m.training and m.dropout > 0 and m.num_layers > 1:
+            raise CaptureError(
+                f"submodule '{name}' ({type(m).__name__}, {m.num_layers} layers, dropout={m.dropout}) would train "
+                "without its dropout between layers: torch's decomposition of multi-layer RNNs leaves it out. "
+                "Set dropout=0, or call that module outside the OrtModule (its output as an argument).")
+
+
+def attributes(module: torch.nn.Module) -> dict:
+    """{(submodule name, attribute): value} of each submodule's own Python attributes: not its
+    parameters, buffers, submodules or hooks, nor the parameter a traced hook sets."""
+    state = {}
+    for name, m in _written_in_python(module.named_modules()):
+        set_by_hooks = {h.name for hooks in module_hooks(m).values() for h in hooks.values()
+                        if isinstance(h, TRACED_HOOKS)}
+        state.update(((name, attr), value) for attr, value in vars(m).items()
+                     if attr not in MODULE_INTERNALS and attr not in set_by_hooks)
+    return state
+
+
+def _same(a, b) -> bool:
+    return a is b or (type(a) is type(b) and type(a) in _VALUES and (a == b or a != a and b != b))  # (NaN)
+
+
+def refuse_changes(before: dict, module: torch.nn.Module) -> None:
+    """Raises CaptureError if the eager run changed an attribute of `before` (attributes(module)
+    before it), after putting every changed one back: the capture leaves the model as it was."""
+    after = attributes(module)
+    changed = sorted(k for k in before.keys() | after.keys()
+                     if k not in before or k not in after or not _same(before[k], after[k]))
+    if not changed:
+        return
+    modules = dict(module.named_modules())
+    for name, attr in changed:
+        if (name, attr) in before:
+            setattr(modules[name], attr, before[name, attr])
+        else:
+            delattr(modules[name], attr)
+    name, attr = changed[0]
+    was = repr(before[name, attr]) if (name, attr) in before else "not set"
+    now = repr(after[name, attr]) if (name, attr) in after else "deleted"
+    raise CaptureError(
+        f"the model's forward changes its Python attribute {'.'.join(filter(None, (name, attr)))} ({was[:60]} -> "
+        f"{now[:60]}){f' and {len(changed) - 1} more' if len(changed) > 1 else ''}. A captured graph runs without "
+        "forward's Python code, so it would not change again on later calls. Keep such state in a buffer that "
+        "forward updates with tensor operations (register_buffer; the graph updates it), or outside the model.")
