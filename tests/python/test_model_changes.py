@@ -13,6 +13,8 @@ import io
 import pickle
 import subprocess
 import sys
+import types
+import warnings
 from typing import Callable, NamedTuple
 
 import pytest
@@ -53,6 +55,22 @@ class Mlp(nn.Module):
 
     def forward(self, x):
         return self.fc2(torch.relu(self.fc1(x)))
+
+
+class Configured(nn.Module):
+    """Reads plain values of its own and of a config object it holds, as Hugging Face models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.config = types.SimpleNamespace(scale=1.0, act="relu")
+        self.shape = [3, 2, 2]
+        self.dtype = torch.float32
+
+    def forward(self, x):
+        y = self.fc(x) * self.config.scale
+        y = torch.relu(y) if self.config.act == "relu" else torch.tanh(y)
+        return y.reshape(self.shape).to(self.dtype)
 
 
 def image():
@@ -143,6 +161,12 @@ CHANGES = {
     "parameter hook": Change(Mlp, vector, lambda m: m.fc1.weight.register_hook(lambda g: g * 2)),
     "weight_norm": Change(Mlp, vector, lambda m: nn.utils.weight_norm(m.fc1)),
     "attribute set": Change(Mlp, vector, _set("scale", 3.0)),
+    # (torch.compile: dynamo makes a float that changed an input of its graph, whose .item() a capture cannot trace)
+    "config value": Change(Configured, vector, lambda m: setattr(m.config, "scale", 2.0),
+                           compile_refused="needs a value"),
+    "config string": Change(Configured, vector, lambda m: setattr(m.config, "act", "tanh")),
+    "list attribute in place": Change(Configured, vector, lambda m: m.shape.__setitem__(0, 1) or m.shape.insert(0, 3)),
+    "dtype attribute": Change(Configured, vector, _set("dtype", torch.float64)),
 }
 
 
@@ -187,6 +211,7 @@ WRAPPERS = {"OrtModule": ortbridge.OrtModule, "compile": lambda m: torch.compile
 @pytest.mark.parametrize("name", CHANGES)
 def test_a_change_between_calls_gives_eagers_result_or_a_named_error(name, wrapper):
     row = CHANGES[name]
+    torch._dynamo.reset()  # (dynamo keeps what it saw change per code object: each row starts afresh)
     torch.manual_seed(0)
     eager = row.model()
     row.prepare(eager)
@@ -233,6 +258,52 @@ class Counting(Mlp):
     def forward(self, x):
         self.fc1.calls += 1
         return super().forward(x)
+
+
+class Appending(Mlp):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(len(self.seen))
+        return super().forward(x) * len(self.seen)
+
+
+def test_a_forward_that_changes_a_list_in_place_is_refused_and_the_list_put_back():
+    model = Appending()
+    with pytest.raises(ortbridge.CaptureError, match=r"changes its Python attribute seen \(\[\] -> \[0\]\)"):
+        ortbridge.OrtModule(model)(*vector())
+    assert model.seen == []
+
+
+def test_an_attribute_value_changing_on_every_call_keeps_a_bounded_number_of_captures():
+    torch.manual_seed(0)
+    eager = Configured()
+    ours = ortbridge.OrtModule(copy.deepcopy(eager))
+    x = torch.randn(3, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(10):
+            for m in (eager, ours):
+                m.config.scale = 1.0 + step
+            assert_close(ours(x), eager(x), f"step {step}")
+    assert sum(map(len, ours._captures.values())) == 8
+    assert any("captured Configured 8 times for one signature" in str(w.message) for w in caught)
+
+
+def test_pickling_an_ort_module_with_session_options_is_refused_and_deepcopy_shares_them():
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    wrapped = ortbridge.OrtModule(Mlp(), session_options=options)
+    wrapped(*vector())
+    with pytest.raises(TypeError, match="an OrtModule with session_options cannot be pickled"):
+        pickle.dumps(wrapped)
+    copied = copy.deepcopy(wrapped)
+    assert copied.options["session_options"] is options
+    x = torch.randn(3, 8)
+    assert_close(copied(x), wrapped(x), "the copy")
 
 
 def test_a_forward_that_changes_python_state_is_refused_naming_it_and_leaves_it_as_it_was():

@@ -252,8 +252,7 @@ class Recorder:
         saved_inputs = [i for i, t in enumerate(tensors) if _storage_address(t) in saved]
         writes = {i: _copy(args[i]) for i, before in containers.items() if not _same(_contents(args[i]), before)}
         for i, content in writes.items():
-            values = content.values() if isinstance(content, dict) else content
-            if any(isinstance(v, torch.Tensor) for v in values):
+            if any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(content)):
                 raise ExportError(f"{name}.forward put a tensor into its argument {i} (a {type(content).__name__}); "
                                   "a graph cannot give it to the caller. Return it as an output instead.")
         self.calls.append(Call(func, arguments, args, result, self.training, updated, saved_inputs, writes))

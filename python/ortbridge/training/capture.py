@@ -214,8 +214,13 @@ def flatten(tree) -> tuple[list, object]:
         return leaves, spec
     for cls in unknown:
         names = tuple(f.name for f in dataclasses.fields(cls))
-        pytree.register_pytree_node(cls, lambda x, names=names: ([getattr(x, n) for n in names], names),
-                                    functools.partial(_dataclass_of, cls))
+        try:
+            pytree.register_pytree_node(cls, lambda x, names=names: ([getattr(x, n) for n in names], names),
+                                        functools.partial(_dataclass_of, cls))
+        except ValueError:
+            if cls not in pytree.SUPPORTED_NODES:
+                raise
+            # (another thread registered it meanwhile)
     return flatten(tree)
 
 

@@ -9,7 +9,10 @@ refused, as the graph would not change them again.
 
 from __future__ import annotations
 
+import copy
+import enum
 import operator
+import types
 
 import torch
 from torch.nn.utils.spectral_norm import SpectralNorm
@@ -28,13 +31,14 @@ class CaptureError(RuntimeError):
 # as a plain attribute on each call (`hook.name`).
 TRACED_HOOKS = (WeightNorm, SpectralNorm)
 _AUTOCAST_DEVICES = ("cpu", "cuda")
-_VALUES = (int, float, complex, bool, str, bytes, type(None))
+_VALUES = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.layout,
+           torch.memory_format, torch.Size)
 
 
 def settings() -> tuple:
     """Global settings a trace reads: grad mode, autocast per device type (whether on, its
-    dtype), deterministic algorithms, float32 matmul precision."""
-    return (torch.is_grad_enabled(),
+    dtype), deterministic algorithms, float32 matmul precision, the default dtype."""
+    return (torch.is_grad_enabled(), torch.get_default_dtype(),
             *((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES),
             torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision())
 
@@ -82,17 +86,18 @@ def _hooks_key(modules: list) -> tuple:
 
 
 class Constants:
-    """The plain values among the modules' attributes (numbers, strings, None, tuples of them:
-    dropout's p, a conv's padding, a flag such as grad_checkpointing), which a trace reads as
-    constants: a capture runs only while they hold (one get and compare per module)."""
+    """The plain values among the modules' attributes (numbers, strings, None, dtypes, enums,
+    tuples, lists and dicts of them: dropout's p, a conv's padding, grad_checkpointing) and among
+    those of the plain objects a module holds (a Hugging Face config), which a trace reads as
+    constants: a capture runs only while they hold (one get and compare per object)."""
 
     def __init__(self, modules: list):
-        self._held = []  # (a module's __dict__, a getter of its plain values' names, their values)
-        for _, m in _written_in_python(modules):
-            names = [k for k, v in vars(m).items() if k not in MODULE_INTERNALS and _plain(v)]
+        self._held = []  # (an object's __dict__, a getter of its plain values' names, a copy of their values)
+        for attributes in _holders(modules):
+            names = [k for k, v in attributes.items() if k not in MODULE_INTERNALS and _plain(v)]
             if names:
                 get = operator.itemgetter(*names, *names[:1])  # (twice the first: a tuple, for one name too)
-                self._held.append((vars(m), get, get(vars(m))))
+                self._held.append((attributes, get, copy.deepcopy(get(attributes))))
 
     def hold(self) -> bool:
         try:
@@ -101,14 +106,35 @@ class Constants:
             return False
 
 
+def _holders(modules: list):
+    """The __dict__ of each module, then of each plain object a module holds (once each)."""
+    seen = set()
+    for _, m in _written_in_python(modules):
+        for holder in (m, *(v for k, v in vars(m).items() if k not in MODULE_INTERNALS and _record(v))):
+            if id(holder) not in seen:
+                seen.add(id(holder))
+                yield vars(holder)
+
+
+def _record(value) -> bool:
+    """Whether `value` is an object whose attributes are data (a config), not code or tensors."""
+    return (isinstance(getattr(value, "__dict__", None), dict) and not callable(value)
+            and not isinstance(value, (torch.nn.Module, torch.Tensor, type, types.ModuleType)))
+
+
 def _written_in_python(modules):
     """The modules whose attributes are the model's: not an FX graph's (dynamo's graph for the
     torch.compile backend), whose code FX makes and sets itself at its first call."""
     return ((name, m) for name, m in modules if not isinstance(m, torch.fx.GraphModule))
 
 
-def _plain(value) -> bool:
-    return type(value) in _VALUES or (type(value) is tuple and all(type(v) in _VALUES for v in value))
+def _plain(value, depth: int = 0) -> bool:
+    if type(value) in _VALUES or isinstance(value, enum.Enum):
+        return True
+    if depth > 2 or not isinstance(value, (tuple, list, dict)) or len(value) > 64:
+        return False
+    items = value.items() if isinstance(value, dict) else ((None, v) for v in value)
+    return all(_plain(k, depth + 1) and _plain(v, depth + 1) for k, v in items)
 
 
 def refuse_mistraced(module: torch.nn.Module) -> None:
@@ -125,18 +151,28 @@ def refuse_mistraced(module: torch.nn.Module) -> None:
 
 def attributes(module: torch.nn.Module) -> dict:
     """{(submodule name, attribute): value} of each submodule's own Python attributes: not its
-    parameters, buffers, submodules or hooks, nor the parameter a traced hook sets."""
+    parameters, buffers, submodules or hooks, nor the parameter a traced hook sets. A list's,
+    dict's or set's value is (it, a shallow copy): a forward may change it in place."""
     state = {}
     for name, m in _written_in_python(module.named_modules()):
         set_by_hooks = {h.name for hooks in module_hooks(m).values() for h in hooks.values()
                         if isinstance(h, TRACED_HOOKS)}
-        state.update(((name, attr), value) for attr, value in vars(m).items()
-                     if attr not in MODULE_INTERNALS and attr not in set_by_hooks)
+        state.update(((name, attr), (value, copy.copy(value) if type(value) in (list, dict, set) else None))
+                     for attr, value in vars(m).items() if attr not in MODULE_INTERNALS and attr not in set_by_hooks)
     return state
 
 
-def _same(a, b) -> bool:
-    return a is b or (type(a) is type(b) and type(a) in _VALUES and (a == b or a != a and b != b))  # (NaN)
+def _same(a: tuple, b: tuple) -> bool:
+    """Whether an attribute is as it was: the same object (a plain value: an equal one), with the
+    same entries (by identity) where it is a list, dict or set."""
+    (x, entries), (y, _) = a, b
+    if x is not y:
+        return type(x) is type(y) and type(x) in _VALUES and (x == y or x != x and y != y)  # (NaN)
+    if entries is None or isinstance(entries, set):
+        return entries is None or entries == x
+    if isinstance(entries, dict):
+        return entries.keys() == x.keys() and all(x[k] is v for k, v in entries.items())
+    return len(entries) == len(x) and all(u is v for u, v in zip(entries, x))
 
 
 def refuse_changes(before: dict, module: torch.nn.Module) -> None:
@@ -147,15 +183,26 @@ def refuse_changes(before: dict, module: torch.nn.Module) -> None:
                      if k not in before or k not in after or not _same(before[k], after[k]))
     if not changed:
         return
+    first = changed[0]  # (described before anything is put back)
+    was = "not set"
+    if first in before:
+        value, entries = before[first]
+        was = repr(value if entries is None else entries)
+    now = repr(after[first][0]) if first in after else "deleted"
     modules = dict(module.named_modules())
     for name, attr in changed:
         if (name, attr) in before:
-            setattr(modules[name], attr, before[name, attr])
+            value, entries = before[name, attr]
+            if entries is not None:  # (changed in place: its entries put back)
+                value.clear()
+                if isinstance(value, list):
+                    value.extend(entries)
+                else:
+                    value.update(entries)
+            setattr(modules[name], attr, value)
         else:
             delattr(modules[name], attr)
-    name, attr = changed[0]
-    was = repr(before[name, attr]) if (name, attr) in before else "not set"
-    now = repr(after[name, attr]) if (name, attr) in after else "deleted"
+    name, attr = first
     raise CaptureError(
         f"the model's forward changes its Python attribute {'.'.join(filter(None, (name, attr)))} ({was[:60]} -> "
         f"{now[:60]}){f' and {len(changed) - 1} more' if len(changed) > 1 else ''}. A captured graph runs without "

@@ -8,6 +8,7 @@ import logging
 import operator
 import os
 import time
+import warnings
 
 import onnxruntime as ort
 import torch
@@ -18,6 +19,7 @@ from .graph import GraphInputChanged
 from .model_state import Constants, Hooks, settings
 
 log = logging.getLogger("ortbridge")
+MAX_CAPTURES = 8  # per signature: an older one is dropped
 
 # Bumped whenever any module gains or replaces a parameter, buffer or submodule: OrtModule walks
 # its module's parameters and buffers again only then, not on every call.
@@ -101,6 +103,7 @@ class OrtModule(torch.nn.Module):
         self._hooks = Hooks()
         # Nested in a parent module, a checkpoint has the wrapped module's names here too.
         self.register_load_state_dict_pre_hook(_to_wrapped_names)
+        self._made = True  # (from here, the wrapped module's attributes are set there)
 
     def forward(self, *args, **kwargs):
         if not kwargs and all(type(x) is torch.Tensor for x in args):  # (no pytree walk: most calls)
@@ -129,6 +132,11 @@ class OrtModule(torch.nn.Module):
 
     def _capture(self, key: tuple, args: tuple, kwargs: dict) -> Capture:
         captures = self._captures.setdefault(key, [])
+        if len(captures) == MAX_CAPTURES:  # (the oldest goes: an attribute value that changes on every call)
+            warnings.warn(f"ortbridge.OrtModule captured {type(self.module).__name__} {MAX_CAPTURES} times for one "
+                          "signature: a module attribute value (or a config's) differs between its calls, and each "
+                          "value is a capture of its own. Keep such values fixed, or pass them as arguments.")
+            captures.pop(0)
         name = f"{type(self.module).__name__}_{hashlib.sha1(repr(key).encode()).hexdigest()[:10]}_{len(captures)}"
         log.info("capturing %s (%s mode)", name, "train" if self.module.training else "eval")
         started = time.perf_counter()
@@ -153,6 +161,12 @@ class OrtModule(torch.nn.Module):
 
     # A copy (deepcopy, pickle, torch.save) holds no capture: it captures again at its first call.
     def __getstate__(self):
+        if self.options["session_options"] is not None:
+            raise TypeError("an OrtModule with session_options cannot be pickled (onnxruntime.SessionOptions "
+                            "cannot be): save its module, or its state_dict, and wrap it again where it is loaded")
+        return self._state_without_captures()
+
+    def _state_without_captures(self) -> dict:
         return dict(vars(self), _captures={}, _state=((), (), ()), _state_registrations=None, _submodules=[],
                     _hooks=Hooks())
 
@@ -162,7 +176,7 @@ class OrtModule(torch.nn.Module):
             memo[id(options)] = options
         copied = type(self).__new__(type(self))
         memo[id(self)] = copied
-        copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        copied.__setstate__(copy.deepcopy(self._state_without_captures(), memo))
         return copied
 
     # The wrapped module's names, as ORTModule gave them: optimizer parameter groups and
@@ -191,6 +205,15 @@ class OrtModule(torch.nn.Module):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def __setattr__(self, name: str, value) -> None:
+        # An attribute of the wrapped module is set there, where its forward reads it (set on the
+        # OrtModule, `ort_module.flag = x` would change nothing the graph sees).
+        module = self.__dict__.get("_modules", {}).get("module") if self.__dict__.get("_made") else None
+        if module is not None and name not in self.__dict__ and name not in self._modules and hasattr(module, name):
+            setattr(module, name, value)
+        else:
+            super().__setattr__(name, value)
 
     def __getattr__(self, name: str):
         try:
