@@ -277,6 +277,57 @@ def test_a_forward_that_changes_a_list_in_place_is_refused_and_the_list_put_back
     assert model.seen == []
 
 
+class LazilySet(Mlp):
+    """Sets an attribute at its first call, as transformers' output capturing does; or counts
+    calls from an attribute it sets at the first (`counts`)."""
+
+    def __init__(self, counts: bool):
+        super().__init__()
+        self.counts = counts
+
+    def forward(self, x):
+        if self.counts:
+            self.calls = getattr(self, "calls", 0) + 1
+        elif not hasattr(self, "ready"):
+            self.ready = True
+        return super().forward(x)
+
+
+def test_an_attribute_a_forward_sets_once_is_lazy_initialization_one_it_keeps_changing_is_refused():
+    torch.manual_seed(0)
+    eager = LazilySet(counts=False)
+    ours = ortbridge.OrtModule(copy.deepcopy(eager))
+    for step in range(2):
+        x = torch.randn(3, 8)
+        assert_close(ours(x), eager(x), f"call {step}")
+    assert ours.module.ready is True
+    counting = LazilySet(counts=True)
+    with pytest.raises(ortbridge.CaptureError, match=r"changes its Python attribute calls \(1 -> "):
+        ortbridge.OrtModule(counting)(*vector())
+    assert counting.calls == 1  # (as the eager record run left it)
+
+
+def test_a_hugging_face_model_whose_config_asks_for_hidden_states_after_the_first_call():
+    """transformers collects hidden states with forward hooks it installs at the first call that
+    asks for them (and marks the model with an attribute): both are traced, the states returned."""
+    transformers = pytest.importorskip("transformers", reason="the model is transformers'")
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, num_labels=3)
+    torch.manual_seed(0)
+    eager = transformers.BertForSequenceClassification(config)
+    ours = ortbridge.OrtModule(copy.deepcopy(eager))
+    ids, mask = torch.randint(0, 100, (2, 8)), torch.ones(2, 8, dtype=torch.long)
+    for hidden_states in (False, True, True, False):
+        for m in (eager, ours):
+            m.config.output_hidden_states = hidden_states
+        torch.manual_seed(1)
+        expected = eager(input_ids=ids, attention_mask=mask)
+        torch.manual_seed(1)
+        out = ours(input_ids=ids, attention_mask=mask)
+        assert (out.hidden_states is None) == (not hidden_states)
+        assert_close(_tensors_in(out), _tensors_in(expected), f"output_hidden_states={hidden_states}")
+
+
 def test_an_attribute_value_changing_on_every_call_keeps_a_bounded_number_of_captures():
     torch.manual_seed(0)
     eager = Configured()

@@ -333,7 +333,8 @@ class Capture(NotCopyable):
         refuse_mistraced(module)
         before = attributes(module)
         recorder.run(module, args, kwargs)
-        refuse_changes(before, module)
+        refuse_changes(before, module, added=True)
+        settled = attributes(module)  # (what the trace, which runs forward too, must leave as it is)
         table = CallTable(recorder.calls)
         self.sessions: list[GraphSession] = []  # forward or inference graph, then backward graph
         self._guards = None
@@ -358,6 +359,7 @@ class Capture(NotCopyable):
             except _DATA_DEPENDENT as e:
                 raise _data_dependent_error(e) from e
         table.require_all_reached("AOTAutograd's trace of the module")
+        refuse_changes(settled, module)
         if context.fw_metadata is not None:
             context.fw_metadata.bw_donated_idxs = []  # (None reads as "some" at run time)
         self.params = context.params_flat

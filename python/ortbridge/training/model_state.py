@@ -30,6 +30,13 @@ class CaptureError(RuntimeError):
 # trace records that computation, which every run of the graph repeats. They set that parameter
 # as a plain attribute on each call (`hook.name`).
 TRACED_HOOKS = (WeightNorm, SpectralNorm)
+# Hooks whose whole work is to collect a module's outputs for forward to return: the trace records
+# them as outputs of the graph (transformers' output_hidden_states / output_attentions).
+_COLLECTING_HOOK_MODULES = ("transformers.utils.output_capturing",)
+
+
+def _traced(hook) -> bool:
+    return isinstance(hook, TRACED_HOOKS) or getattr(hook, "__module__", None) in _COLLECTING_HOOK_MODULES
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 _VALUES = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.layout,
            torch.memory_format, torch.Size)
@@ -73,7 +80,7 @@ def _hooks_key(modules: list) -> tuple:
     key = []
     for index, (name, module) in enumerate(modules):
         for kind, hooks in module_hooks(module).items():
-            untraced = [h for h in hooks.values() if not isinstance(h, TRACED_HOOKS)]
+            untraced = [h for h in hooks.values() if not _traced(h)]
             if untraced:
                 where = f"submodule '{name}'" if name else "the wrapped module"
                 raise CaptureError(
@@ -175,11 +182,13 @@ def _same(a: tuple, b: tuple) -> bool:
     return len(entries) == len(x) and all(u is v for u, v in zip(entries, x))
 
 
-def refuse_changes(before: dict, module: torch.nn.Module) -> None:
-    """Raises CaptureError if the eager run changed an attribute of `before` (attributes(module)
-    before it), after putting every changed one back: the capture leaves the model as it was."""
+def refuse_changes(before: dict, module: torch.nn.Module, added: bool = False) -> None:
+    """Raises CaptureError if a run of forward changed an attribute of `before` (attributes(module)
+    before it), after putting every changed one back: the capture leaves the model as it was.
+    `added`: attributes the run added are no change (lazy initialization, as transformers'
+    `_output_capturing_hooks_installed`; the capture checks that the trace changes them no more)."""
     after = attributes(module)
-    changed = sorted(k for k in before.keys() | after.keys()
+    changed = sorted(k for k in (before.keys() if added else before.keys() | after.keys())
                      if k not in before or k not in after or not _same(before[k], after[k]))
     if not changed:
         return
