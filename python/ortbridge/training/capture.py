@@ -334,7 +334,10 @@ class Capture(NotCopyable):
         before = attributes(module)
         recorder.run(module, args, kwargs)
         refuse_changes(before, module, added=True)
-        settled = attributes(module)  # (what the trace, which runs forward too, must leave as it is)
+        # What the record run added (lazy initialization), which the trace must leave as it is. (Not
+        # the others: torch's RNNs rebind their flat weights to the trace's tensors, and again to
+        # the parameters at their next eager call.)
+        added = {k: v for k, v in attributes(module).items() if k not in before}
         table = CallTable(recorder.calls)
         self.sessions: list[GraphSession] = []  # forward or inference graph, then backward graph
         self._guards = None
@@ -359,7 +362,7 @@ class Capture(NotCopyable):
             except _DATA_DEPENDENT as e:
                 raise _data_dependent_error(e) from e
         table.require_all_reached("AOTAutograd's trace of the module")
-        refuse_changes(settled, module)
+        refuse_changes(added, module, added=True)
         if context.fw_metadata is not None:
             context.fw_metadata.bw_donated_idxs = []  # (None reads as "some" at run time)
         self.params = context.params_flat
