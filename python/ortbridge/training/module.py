@@ -209,8 +209,10 @@ class OrtModule(torch.nn.Module):
     def __setattr__(self, name: str, value) -> None:
         # An attribute of the wrapped module is set there, where its forward reads it (set on the
         # OrtModule, `ort_module.flag = x` would change nothing the graph sees).
+        # (Never a dunder: `__class__`, which torch's fully_shard sets to give the OrtModule its FSDP class.)
         module = self.__dict__.get("_modules", {}).get("module") if self.__dict__.get("_made") else None
-        if module is not None and name not in self.__dict__ and name not in self._modules and hasattr(module, name):
+        if module is not None and not name.startswith("__") and name not in self.__dict__ and \
+                name not in self._modules and hasattr(module, name):
             setattr(module, name, value)
         else:
             super().__setattr__(name, value)
