@@ -87,7 +87,12 @@ def session(nodes: list, inputs: list, outputs: list, threads: int = 1, device: 
     fails rather than placing one on the CPU)."""
     graph = helper.make_graph(nodes, "bench", [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
                               [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in outputs])
-    model = helper.make_model(graph, opset_imports=OPSETS, ir_version=8).SerializeToString()
+    return model_session(helper.make_model(graph, opset_imports=OPSETS, ir_version=8).SerializeToString(), threads,
+                         device)
+
+
+def model_session(model: bytes, threads: int = 1, device: str = "cpu") -> ort.InferenceSession:
+    """A session of `model` as session() makes one."""
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1

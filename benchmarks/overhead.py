@@ -9,7 +9,7 @@ ORT kernel dispatch, GIL acquisition, DLPack in and out, Function.apply, and the
 result into ORT's output buffer. The reference is the same chain of Function.apply calls in
 eager PyTorch, timed in the same process and run.
 
-Three graph modes (and a module benchmark, --modes ortmodule, below):
+Four graph modes (and a module benchmark, --modes ortmodule, below):
   inference  training_mode=0, output 0 (the context id, which nothing reads) unnamed, as
              ortbridge.export writes an inference node; eager runs the chain under torch.no_grad().
   forward    training_mode=0 and safe_run_mode=0: the node calls the Function's forward
@@ -20,6 +20,10 @@ Three graph modes (and a module benchmark, --modes ortmodule, below):
              graph input. Eager: y = chain(x) with x.requires_grad, then y.backward(g).
              A "call" is forward plus backward, so per op it counts one PythonOp and one
              PythonOpGrad.
+  custom_op  a torch.library.custom_op (ortbridge_bench::clone, x.clone()) instead of the
+             Function: the graph is ortbridge.export of a module calling it K times, each call a
+             fallback node (func_name ortbridge_bench::clone.default); eager calls the operator K
+             times under torch.no_grad(). CPU only.
 
 How to read it
 --------------
@@ -94,11 +98,12 @@ from onnx import helper
 
 import ortbridge
 from ortbridge import _runner
-from common import Clone, SavesInput, cuda_versions, medians, python_op, python_op_grad, require_device, session, versions
+from common import (Clone, SavesInput, cuda_versions, medians, model_session, python_op, python_op_grad, require_device,
+                    session, versions)
 
 NUMEL = 16
 KS = (1, 16, 64)
-GRAPH_MODES = ("inference", "forward", "training")
+GRAPH_MODES = ("inference", "forward", "training", "custom_op")
 MODES = (*GRAPH_MODES, "ortmodule")
 ORTMODULE_KS = (1, 64)
 PER_CALL_GOAL, PER_CALL_STRETCH, FIXED_GOAL_US = 1.25, 1.1, 100.0
@@ -123,8 +128,58 @@ def build_session(k: int, training: bool, safe: bool = True, device: str = "cpu"
     return session(nodes, inputs, outputs, device=device)
 
 
+@torch.library.custom_op("ortbridge_bench::clone", mutates_args=())
+def _custom_clone(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+_custom_clone.register_fake(lambda x: torch.empty_like(x))
+ortbridge.allow_operators("ortbridge_bench")
+
+
+class _CustomOpChain(torch.nn.Module):
+    def __init__(self, k: int):
+        super().__init__()
+        self.k = k
+
+    def forward(self, x):
+        for _ in range(self.k):
+            x = torch.ops.ortbridge_bench.clone(x)
+        return x
+
+
+def make_custom_op_calls(k: int):
+    """(ort_call, eager_call, check) for the custom_op mode."""
+    x_np = np.arange(NUMEL, dtype=np.float32)
+    x = torch.from_numpy(x_np.copy())
+    proto = ortbridge.export(_CustomOpChain(k), (x,))
+    ops = [n for n in proto.graph.node if n.domain == "ortbridge"]
+    assert len(ops) == k == len(proto.graph.node), f"{len(proto.graph.node)} nodes, {len(ops)} ortbridge nodes for K={k}"
+    sess = model_session(proto.SerializeToString())
+    feeds, op, no_grad = {sess.get_inputs()[0].name: x_np}, torch.ops.ortbridge_bench.clone, torch.no_grad
+
+    def ort_call():
+        return sess.run(None, feeds)
+
+    def eager_call():
+        with no_grad():
+            y = x
+            for _ in range(k):
+                y = op(y)
+        return y
+
+    def check():
+        (y_ort,) = ort_call()
+        assert np.array_equal(y_ort, eager_call().numpy()) and np.array_equal(y_ort, x_np), "custom_op output differs"
+        assert ortbridge.context_pool_size() == 0
+
+    return ort_call, eager_call, check
+
+
 def make_calls(mode: str, k: int):
     """(ort_call, eager_call, check) for one configuration."""
+    if mode == "custom_op":
+        return make_custom_op_calls(k)
     training = mode == "training"
     sess = build_session(k, training, safe=mode != "forward")
     x_np = np.arange(NUMEL, dtype=np.float32)
@@ -409,8 +464,8 @@ def main(argv=None) -> int:
     p.add_argument("--target", type=float, default=0.25, help="seconds per repeat (sets N)")
     p.add_argument("--quick", action="store_true", help="smoke run: 3 repeats of ~0.03 s")
     p.add_argument("--modes", default=None,
-                   help="comma-separated subset of inference,forward,training,ortmodule (default: all of them; "
-                        "with --device cuda, all but ortmodule)")
+                   help="comma-separated subset of inference,forward,training,custom_op,ortmodule (default: all of "
+                        "them; with --device cuda, the first three)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu (default) or cuda: the nodes on ORT's CUDA execution provider, eager on the GPU")
     p.add_argument("--ortmodule-ks", default=",".join(map(str, ORTMODULE_KS)),
@@ -425,14 +480,14 @@ def main(argv=None) -> int:
     if args.quick:
         repeats, target, warmup = min(repeats, 3), 0.03, 3
     if args.modes is None:
-        modes = list(GRAPH_MODES) + (["ortmodule"] if args.device == "cpu" else [])
+        modes = list(GRAPH_MODES) + ["ortmodule"] if args.device == "cpu" else ["inference", "forward", "training"]
     else:
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
         if m not in MODES:
             p.error(f"unknown mode {m!r}")
-    if "ortmodule" in modes and args.device != "cpu":
-        p.error("the ortmodule mode runs on the CPU only")
+    if {"ortmodule", "custom_op"} & set(modes) and args.device != "cpu":
+        p.error("the ortmodule and custom_op modes run on the CPU only")
     try:
         ortmodule_ks = tuple(sorted({int(k) for k in args.ortmodule_ks.split(",") if k.strip()}))
     except ValueError:

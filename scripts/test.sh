@@ -37,7 +37,8 @@ kernel_suites="tests/python/test_inference.py tests/python/test_training_graph.p
   tests/python/test_errors.py tests/python/test_hostile_models.py tests/python/test_threads.py
   tests/python/test_lifecycle.py tests/python/test_registry.py tests/python/test_convert.py
   tests/python/test_device_path.py tests/python/test_export.py tests/python/test_training.py
-  tests/python/test_capture.py"
+  tests/python/test_capture.py tests/python/test_kernel_styles.py tests/python/test_linalg_checks.py
+  tests/python/test_onnxruntime_tools.py"
 for version in ${ORT_COMPAT_VERSIONS-1.19.2 1.20.1}; do
   target=build/onnxruntime-$version
   [ -d "$target/onnxruntime" ] || $PYTHON -m pip install -q --no-deps --target "$target" "onnxruntime==$version"
@@ -58,13 +59,14 @@ PYTHONPATH="$target" $PYTHON -m pytest -q -p no:cacheprovider tests/python/test_
 # Python 3.12) and the newest, on each Python the package supports. What differs between releases:
 # kernels, both export paths, OrtModule and torch.compile training (a CNN, a transformer block, timm
 # and Hugging Face models, checkpointing), what a training script changes between calls (dtypes,
-# autocast, modes, hooks, copies), bfloat16, random operators, OnnxModule, and where torch's private
-# APIs are reached.
+# autocast, modes, hooks, copies), bfloat16, random operators, OnnxModule, where torch's private
+# APIs are reached, custom operators (torch.library, C++), linalg's error checks and ONNX Runtime's tools.
 compat_suites="tests/python/test_inference.py tests/python/test_training_graph.py tests/python/test_inplace.py
   tests/python/test_errors.py tests/python/test_export.py tests/python/test_training.py
   tests/python/test_capture.py tests/python/test_model_changes.py tests/python/test_mixed_precision.py
   tests/python/test_randomness.py tests/python/test_copy_safety.py tests/python/test_onnx_module.py
-  tests/python/test_real_models.py tests/python/test_private_apis.py"
+  tests/python/test_real_models.py tests/python/test_private_apis.py tests/python/test_kernel_styles.py
+  tests/python/test_linalg_checks.py tests/python/test_onnxruntime_tools.py"
 for cell in ${TORCH_COMPAT-2.9.1:3.11 2.11.0:3.12 2.15.0:3.13}; do
   echo "== torch ${cell%%:*} on Python ${cell##*:}"
   python=$(bash scripts/compat_env.sh "${cell%%:*}" "${cell##*:}" | tail -n 1)

@@ -9,10 +9,11 @@ from .exporter import ExportError, export
 from .operators import allow_operators
 from .registry import UnknownFunctionError, pin_object, register, registered_names, unregister
 from .runtime import InferenceSession, context_pool_size, library_path, release_context, session_options
+from .tools import onnxruntime_tools
 
 __all__ = [
     "CaptureError", "ExportError", "InferenceSession", "OnnxModule", "OrtGradientForwardBackward", "OrtModule", "UnknownFunctionError", "allow_operators", "context_pool_size",
-    "convert_from_ortmodule", "export", "library_path", "pin_object", "register", "registered_names",
+    "convert_from_ortmodule", "export", "library_path", "onnxruntime_tools", "pin_object", "register", "registered_names",
     "release_context", "session_options", "unregister",
 ]
 

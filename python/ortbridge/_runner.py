@@ -15,6 +15,7 @@ no CUDA runtime: the kernel makes ORT's compute stream torch's current stream ar
 from __future__ import annotations
 
 import copy
+import threading
 import traceback
 
 import torch
@@ -33,6 +34,25 @@ _node_owner = _torch_private.node_owner  # (None where a context owns its autogr
 # (csrc/saved_tensors.cc installs its hooks with these)
 _push_saved_hooks = _torch_private.push_saved_tensors_default_hooks
 _pop_saved_hooks = _torch_private.pop_saved_tensors_default_hooks
+
+
+_refused = threading.local()  # .error: the last UnknownFunctionError of a node made on this thread
+
+
+def _function(name: str) -> type:
+    """The Function a node names. A refused name is kept for take_refusal: ONNX Runtime turns the
+    error into text of its own, which an `except UnknownFunctionError` would not catch."""
+    try:
+        return registry.lookup(name)
+    except registry.UnknownFunctionError as e:
+        _refused.error = e
+        raise
+
+
+def take_refusal() -> registry.UnknownFunctionError | None:
+    """The UnknownFunctionError of the last node refused on this thread since the last call."""
+    error, _refused.error = getattr(_refused, "error", None), None
+    return error
 
 
 def format_exception(exc: BaseException, tb=None) -> str:
@@ -154,7 +174,7 @@ class _Node:
 class ForwardNode(_Node):
     def __init__(self, layout: _C.ForwardLayout, device: str = "cpu"):
         super().__init__(device)
-        self.func = registry.lookup(layout.func_name)
+        self.func = _function(layout.func_name)
         self.apply = unrouted_apply(self.func)
         safe = layout.safe_run_mode
         args = _arguments(layout)
@@ -304,7 +324,7 @@ def _kept_from_borrowed(t: torch.Tensor) -> torch.Tensor:
 class BackwardNode(_Node):
     def __init__(self, layout: _C.BackwardLayout, device: str = "cpu"):
         super().__init__(device)
-        self.func = registry.lookup(layout.func_name)
+        self.func = _function(layout.func_name)
         self.backward = self.func.backward
         self.name = registry.qualified_name(self.func)
         self.backward_value = f"{self.name}.backward value"

@@ -50,6 +50,8 @@ except ImportError as e:
 # name -> (module, its attribute; None: the module itself)
 _TRACING = {
     "aot_module_simplified": ("torch._functorch.aot_autograd", "aot_module_simplified"),
+    "can_auto_functionalize": ("torch._higher_order_ops.auto_functionalize", "can_auto_functionalize"),
+    "remove_effect_tokens": ("torch.export._remove_effect_tokens_pass", "_remove_effect_tokens"),
     "default_partition": ("torch._functorch.partitioners", "default_partition"),
     "MutationType": ("torch._functorch._aot_autograd.schemas", "MutationType"),
     "OutputType": ("torch._functorch._aot_autograd.schemas", "OutputType"),
@@ -211,6 +213,9 @@ def direct_apply(func: type):
 # Where torch.compile's autograd_function_apply makes the Function class it applies, for a
 # Function dynamo traced (its operators are in the graph already).
 DYNAMO_FUNCTION_MODULE = "torch._functorch.autograd_function"
+# Where torch.library makes the Function that runs a custom operator's registered autograd
+# (register_autograd): part of the operator, not a Function of the model.
+CUSTOM_OP_AUTOGRAD_MODULE = "torch._library.autograd"
 
 
 # Up to torch 2.12 a Function's ctx (its THPFunction) holds only a weak reference to its autograd
@@ -266,12 +271,14 @@ node_owner = None if CONTEXT_OWNS_NODE else _node_owner
 def capture_config():
     """AOTAutograd's settings for a capture: the backward graph compiled with the forward graph, not
     at the first backward (a Step runs both), and no saved tensor a donated buffer (ORT reuses none;
-    AOTAutograd's runtime would refuse retain_graph for one)."""
+    AOTAutograd's runtime would refuse retain_graph for one), effect tokens made and consumed inside
+the forward graph, not its inputs and outputs (fallback.fold_error_checks removes them)."""
     from torch._functorch import aot_autograd
     from torch._functorch import config as functorch_config
 
     if hasattr(functorch_config, "force_non_lazy_backward_lowering"):
-        with functorch_config.patch(force_non_lazy_backward_lowering=True, donated_buffer=False):
+        with functorch_config.patch(force_non_lazy_backward_lowering=True, donated_buffer=False,
+                                    unlift_effect_tokens=True):
             yield
         return
     # torch 2.9: an argument of aot_module_simplified's preparation only, which it leaves at its default
@@ -282,7 +289,7 @@ def capture_config():
                            "compiles the backward graph with the forward graph (force_non_lazy_backward_lowering)")
     prepare.__kwdefaults__ = {**defaults, "force_non_lazy_backward_lowering": True}
     try:
-        with functorch_config.patch(donated_buffer=False):
+        with functorch_config.patch(donated_buffer=False, unlift_effect_tokens=True):
             yield
     finally:
         prepare.__kwdefaults__ = defaults

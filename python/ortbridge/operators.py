@@ -10,6 +10,11 @@ length of a list; AFTER for a tensor input that is no argument, only orders the 
 node that made it) and the names of the trailing keyword arguments, of which DIM_ORDERS is none
 either: ((position, dim order), ...), tensor arguments to lay out in memory in that order
 (outermost dim first) before the call.
+
+An operator that writes into its arguments (a custom op with `mutates_args`) runs functionalized,
+as torch's traces write it (`auto_functionalized`, `auto_functionalized_v2`): its node's arguments
+are that call's keywords, the operator writes into copies of what it would write into, and the
+node's outputs are the operator's, then those copies. It never writes into ONNX Runtime's buffers.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import threading
 
 import torch
 
-from . import _C
+from . import _C, _torch_private
 from ._torch_private import OpOverload, OpOverloadPacket
 
 _NAME = re.compile(r"([A-Za-z][A-Za-z0-9_]*)::([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)\Z")
@@ -78,7 +83,9 @@ def _resolve(func_name: str) -> OpOverload:
     if not isinstance(packet, OpOverloadPacket) or overload not in packet.overloads():
         raise LookupError(f"func_name '{func_name}' names no operator registered with torch in this process")
     found = getattr(packet, overload)
-    if found._schema.is_mutable:  # (in-place and out= overloads would write into ONNX Runtime's buffers)
+    # (aten's in-place and out= overloads would write into ONNX Runtime's buffers; torch functionalizes
+    # the others, as the node runs them)
+    if found._schema.is_mutable and not _torch_private.can_auto_functionalize(found):
         raise LookupError(f"func_name '{func_name}': an operator that writes into its arguments is not allowed")
     return found
 
@@ -135,11 +142,24 @@ def _batch_norm_into_outputs(op, input, weight, bias, running_mean, running_var,
 _INTO_OUTPUTS = {"aten::_native_batch_norm_legit_functional.default": _batch_norm_into_outputs}
 
 
+def _functionalized(op: OpOverload, *args, **kwargs):
+    """`op` called as torch's functionalized traces call it (keywords only), on copies of what it
+    writes into: its outputs, then those copies."""
+    if args or any(name.startswith("_only_clone") for name in kwargs):  # (which would write in place)
+        raise TypeError(f"{name_of(op)} writes into its arguments: its node takes the keywords of a functionalized "
+                        "call (auto_functionalized), without _only_clone_these_* ")
+    hop = torch.ops.higher_order.auto_functionalized_v2 if "_all_bases" in kwargs else \
+        torch.ops.higher_order.auto_functionalized
+    return hop(op, **kwargs)
+
+
 def _make_function(func_name: str, op: OpOverload) -> type:
-    into_outputs = _INTO_OUTPUTS.get(func_name)
+    into_outputs = _INTO_OUTPUTS.get(func_name) or (_functionalized if op._schema.is_mutable else None)
     call = functools.partial(into_outputs, op) if into_outputs else op
 
     def forward(ctx, layout, keywords, *values):
+        if not keywords and layout == (-1,) * len(values):  # (the common call: tensors alone, in order)
+            return tuple(flatten_outputs(call(*values)))
         args, given = [], iter(values)
         for size in layout:
             if size == AFTER:

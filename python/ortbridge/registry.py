@@ -61,6 +61,11 @@ def registered_name(cls: type) -> str | None:
     return key if key is not None and _functions.get(key) is cls else None
 
 
+def registered_function(name: str) -> type | None:
+    """The Function registered under `name`, or None."""
+    return _functions.get(name)
+
+
 def registered_names() -> list[str]:
     return sorted(_functions)
 
@@ -70,7 +75,10 @@ def lookup(name: str) -> type:
     runs an allowed torch operator (see ortbridge.operators)."""
     cls = _functions.get(name)
     if cls is None and operators.is_operator_name(name):
-        return operators.function(name)
+        try:
+            return operators.function(name)
+        except LookupError as e:
+            raise UnknownFunctionError(str(e)) from None
     if cls is None:
         raise UnknownFunctionError(_unknown(name))
     return cls

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import numpy as np
 
@@ -13,10 +14,11 @@ except ModuleNotFoundError as e:  # it comes from an extra: one of two packages 
                               "'ortbridge[gpu]' (onnxruntime-gpu, with the CUDA execution provider)",
                               name="onnxruntime") from e
 
-from . import _C
+from . import _C, _runner
 from ._copying import NotCopyable
 
 _REGISTERED_KEY = "ortbridge.kernels_registered"
+_REFUSED_NODE = re.compile(r"ortbridge \w+ node '[^']*' \(function '[^']*'\)")
 # Session config entries ("1"), set before the kernels are registered. CPU_KERNELS_ONLY: the
 # session gets no CUDA kernels, so ORT runs every node on the CPU, with copies around it, for
 # Functions that need host tensors (numpy, CPU-only libraries). CPU_KERNELS_VIA_TORCH: the CPU
@@ -110,7 +112,15 @@ class InferenceSession(NotCopyable, ort.InferenceSession):
 
     def __init__(self, path_or_bytes, sess_options: ort.SessionOptions | None = None, providers=None,
                  provider_options=None, **kwargs):
-        super().__init__(path_or_bytes, session_options(sess_options), providers, provider_options, **kwargs)
+        _runner.take_refusal()
+        try:
+            super().__init__(path_or_bytes, session_options(sess_options), providers, provider_options, **kwargs)
+        except Exception as e:  # (a node naming no Function: the error its kernel refused it with)
+            refused = _runner.take_refusal()
+            if refused is None:
+                raise
+            where = _REFUSED_NODE.search(str(e))  # (the kernel's own prefix: which node)
+            raise type(refused)(f"{where.group(0)}: {refused}" if where else str(refused)) from e
 
     run = _scoped(ort.InferenceSession.run, lambda result, args, kwargs: result)
     run_with_ort_values = _scoped(ort.InferenceSession.run_with_ort_values, lambda result, args, kwargs: result)

@@ -23,7 +23,8 @@ from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make
 
 from .. import _dtypes, operators
 from .._torch_private import (OpOverload, detect_fake_mode, fx_config, onnx_decompositions, onnx_exporter,
-                              onnx_opsets, onnx_registry, pytree, remove_assertion_nodes, rename_node)
+                              onnx_opsets, onnx_registry, pytree, remove_assertion_nodes, remove_effect_tokens,
+                              rename_node)
 from .functions import ExportError
 from .nodes import Arguments, emit_python_op
 from .record import size_hint
@@ -77,11 +78,67 @@ def _in_pytorch(op, random_in_pytorch: bool) -> bool:
     return op in PYTORCH_PREFERRED or (random_in_pytorch and _random(op))
 
 
+# torch's functionalized calls of an operator that writes into its arguments (a custom op with
+# mutates_args): (op, **keywords), run as a node of that operator (see ortbridge.operators).
+_FUNCTIONALIZED = (torch.ops.higher_order.auto_functionalized, torch.ops.higher_order.auto_functionalized_v2)
+
+
+def _operator(node: torch.fx.Node) -> OpOverload | None:
+    """The operator a node calls (that of a functionalized call), or None."""
+    if node.op != "call_function":
+        return None
+    if node.target in _FUNCTIONALIZED:
+        return node.args[0]
+    return node.target if isinstance(node.target, OpOverload) else None
+
+
 def _needs_fallback(node: torch.fx.Node, translated: frozenset, in_pytorch=frozenset(),
                     random_in_pytorch: bool = False) -> bool:
-    return (node.op == "call_function" and isinstance(node.target, OpOverload)
-            and (node.target not in translated or _in_pytorch(node.target, random_in_pytorch)
-                 or node.name in in_pytorch))
+    op = _operator(node)
+    return op is not None and (node.target in _FUNCTIONALIZED or op not in translated
+                               or _in_pytorch(op, random_in_pytorch) or node.name in in_pytorch)
+
+
+_CHECK = torch.ops.aten._linalg_check_errors.default
+# A check that raises is no dead code: traces keep it on every release (torch 2.13 and later keep it
+# behind an effect token), for fold_error_checks to find.
+torch.fx.node.has_side_effect(_CHECK)
+
+
+def fold_error_checks(graph: torch.fx.Graph, inputs_checked: bool = False) -> None:
+    """Each linalg error check of `graph` (`_linalg_check_errors` of the info output of, say,
+    linalg_inv_ex: the decomposition of linalg.inv) made that operator's own (check_errors=True), so
+    that its node raises eager's error for a singular matrix instead of giving inf; the effect
+    tokens that ordered the checks removed. `inputs_checked`: the graph's inputs are outputs of a
+    graph that checked them (a backward graph's copies of the forward graph's checks)."""
+    with_effects = torch.ops.higher_order.with_effects
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is _CHECK:
+            token, info = None, node.args[0]
+        elif node.target is with_effects and node.args[1] is _CHECK:
+            token, info = node.args[0], node.args[2]
+        else:
+            continue
+        made_by = info.args[0] if info.op == "call_function" and info.target is operator.getitem else None
+        if isinstance(getattr(made_by, "target", None), OpOverload) and \
+                "check_errors" in {a.name for a in made_by.target._schema.arguments}:
+            made_by.kwargs = {**made_by.kwargs, "check_errors": True}
+        elif not (inputs_checked and info.op == "placeholder"):
+            raise ExportError(f"{node.args[-1] if token is None else node.args[3]}: an error check of a value that no "
+                              "operator with a check_errors argument made, which a graph cannot keep")
+        for user in list(node.users):  # (the token after the check: the one before it)
+            user.replace_all_uses_with(token)
+            graph.erase_node(user)
+        graph.erase_node(node)
+    make, sink = torch.ops.prims._make_token.default, torch.ops.prims._sink_tokens.default
+    for node in graph.find_nodes(op="call_function", target=sink):
+        if all(getattr(t, "target", None) is make for t in node.args[0]):
+            graph.erase_node(node)
+    for node in graph.find_nodes(op="call_function", target=make):
+        if not node.users:
+            graph.erase_node(node)
 
 
 # ONNX Runtime's refusal of a graph that names the node torch's exporter wrote for FX node X
@@ -122,22 +179,26 @@ def exportable(program: torch.export.ExportedProgram, in_pytorch=frozenset(),
         decomposed = program.run_decompositions({op: f for op, f in table.items()
                                                   if not _in_pytorch(op, random_in_pytorch)})
         remove_assertion_nodes(decomposed.graph_module)  # (torch's exporter drops them too)
+        if decomposed.graph.find_nodes(op="call_function", target=torch.ops.higher_order.with_effects):
+            decomposed = remove_effect_tokens(decomposed)  # (2.13 and later: linalg's error checks)
+        fold_error_checks(decomposed.graph)
         fallbacks = [n for n in decomposed.graph.nodes if _needs_fallback(n, translated, in_pytorch, random_in_pytorch)]
         if not fallbacks:
             return decomposed
         for node in fallbacks:
+            op = _operator(node)
             try:  # (what a model file could not name, the exporter does not write either)
-                operators.function(operators.name_of(node.target))
+                operators.function(operators.name_of(op))
             except LookupError as e:
-                if operators.allowed(node.target.namespace):
-                    raise ExportError(f"operator {operators.name_of(node.target)} has no ONNX translation and cannot "
+                if operators.allowed(op.namespace):
+                    raise ExportError(f"operator {operators.name_of(op)} has no ONNX translation and cannot "
                                       f"run as a fallback node: {e}") from None
-            if not operators.allowed(node.target.namespace):
-                raise ExportError(f"operator {operators.name_of(node.target)} has no ONNX translation, and its "
+            if not operators.allowed(op.namespace):
+                raise ExportError(f"operator {operators.name_of(op)} has no ONNX translation, and its "
                                   f"namespace is not allowed to run as a fallback node; call ortbridge.allow_operators("
-                                  f"'{node.target.namespace}') to let it run in PyTorch inside the graph.")
+                                  f"'{op.namespace}') to let it run in PyTorch inside the graph.")
         log.info("operators run by PyTorch inside the graph: %s",
-                 ", ".join(sorted({operators.name_of(n.target) for n in fallbacks})))
+                 ", ".join(sorted({operators.name_of(_operator(n)) for n in fallbacks})))
         if random_in_pytorch:
             _draw_in_order([n for n in fallbacks if _random(n.target)])
         for node in fallbacks:
@@ -306,13 +367,19 @@ _call_numbers = itertools.count()  # numbers every fallback call: no optimizer m
 _AFTER = "_ortbridge_after"  # the keyword of an emitter's ordering input (_draw_in_order)
 
 
-def _emitter(op: OpOverload):
-    name = operators.name_of(op)
-
+def _emitter(target):
+    """What a fallback node's FX target becomes: a function that emits the node (an operator's, or
+    that of a functionalized call of one: `target` (op, **keywords))."""
     def emit(*args, **kwargs):
         after = kwargs.pop(_AFTER, None)
+        op = args[0] if target in _FUNCTIONALIZED else target
+        name = operators.name_of(op)
         with disable_proxy_modes_tracing():  # the operator's outputs in this trace, not recorded
-            result = _masked(op, op(*args, **kwargs), args, kwargs)
+            result = target(*args, **kwargs)
+        if target in _FUNCTIONALIZED:
+            args = args[1:]
+        else:
+            result = _masked(op, result, args, kwargs)
         outputs = operators.flatten_outputs(result)
         if _random(op):
             orders = tuple((k, order) for k, a in enumerate(args)
@@ -330,7 +397,8 @@ def _emitter(op: OpOverload):
         nodes = emit_python_op(arguments.tensors, attrs, [t.dtype for t in outputs], [list(t.shape) for t in outputs])
         return _refilled(result, iter(nodes[1:]))
 
-    emit.__name__ = emit.__qualname__ = f"ortbridge_fallback_{name.replace('::', '_').replace('.', '_')}"
+    label = operators.name_of(target) if isinstance(target, OpOverload) else target.name()
+    emit.__name__ = emit.__qualname__ = f"ortbridge_fallback_{label.replace('::', '_').replace('.', '_')}"
     return emit
 
 

@@ -216,6 +216,54 @@ def name_nodes(graph: onnx.GraphProto) -> None:
         node.name = f"{node.op_type}_{short}_{k}"
 
 
+def rename_values(graph: onnx.GraphProto, input_names=None, output_names=None) -> None:
+    """The graph's first inputs and outputs renamed, in order. An output that is also an input, or
+    another output, keeps its value and gets a named copy (Identity)."""
+    inputs, outputs = list(input_names or ()), list(output_names or ())
+    for what, names, values in (("input", inputs, graph.input), ("output", outputs, graph.output)):
+        if len(names) > len(values):
+            raise ValueError(f"{len(names)} {what}_names for a graph of {len(values)} {what}s")
+    if len(set(inputs + outputs)) < len(inputs + outputs) or not all(isinstance(n, str) and n for n in inputs + outputs):
+        raise ValueError(f"input_names and output_names must be distinct non-empty strings: {inputs + outputs}")
+    taken = {v for node in graph.node for v in (*node.input, *node.output)} | {i.name for i in graph.initializer}
+    taken |= {v.name for v in (*graph.input, *graph.output)}
+    renamed = {value.name: name for value, name in zip(graph.input, inputs) if value.name != name}
+    if clash := (set(renamed.values()) | set(outputs)) & (taken - set(renamed) - {o.name for o in graph.output}):
+        raise ValueError(f"names already used in the graph: {sorted(clash)}")
+    for value in graph.input:
+        value.name = renamed.get(value.name, value.name)
+    _renamed_reads(graph, renamed)
+    made_by = {v: node for node in graph.node for v in node.output}
+    seen = set()
+    for value, name in zip(graph.output, outputs):
+        old = renamed.get(value.name, value.name)
+        if old == name:
+            continue
+        if old in made_by and old not in seen and old not in {o.name for o in graph.output[len(outputs):]}:
+            node = made_by[old]
+            node.output[list(node.output).index(old)] = name
+            _renamed_reads(graph, {old: name})
+            renamed[old] = name
+        else:
+            graph.node.append(onnx.helper.make_node("Identity", [old], [name], name=f"{name}_copy"))
+        seen.add(old)
+        value.name = name
+    for info in graph.value_info:
+        info.name = renamed.get(info.name, info.name)
+
+
+def _renamed_reads(graph: onnx.GraphProto, renamed: dict) -> None:
+    """Each read of a renamed value, in the graph's nodes and their subgraphs, by its new name."""
+    if not renamed:
+        return
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            node.input[i] = renamed.get(name, name)
+        for a in node.attribute:
+            for sub in ([a.g] if a.HasField("g") else list(a.graphs)):
+                _renamed_reads(sub, renamed)
+
+
 def unname_unread_context_ids(graph: onnx.GraphProto) -> None:
     """An inference PythonOp (a Function in an eval graph or an inference export, an operator run
     by PyTorch) whose context id (0) nothing reads leaves output 0 unnamed, so its kernel allocates

@@ -10,7 +10,7 @@ import torch
 
 from .. import _dtypes, registry
 from .. import _torch_private
-from .._torch_private import DYNAMO_FUNCTION_MODULE, pytree, saved_tensors_hooks_enabled
+from .._torch_private import CUSTOM_OP_AUTOGRAD_MODULE, DYNAMO_FUNCTION_MODULE, pytree, saved_tensors_hooks_enabled
 from .functions import ExportError, bind
 from .interception import intercepted
 from .nodes import DOMAIN, Arguments
@@ -176,6 +176,12 @@ class CallTable:
                               "functools.partial of it), the same way on every run with these inputs.")
 
 
+# Functions that torch makes, which are not the model's: those of a graph from dynamo, which inlined
+# the Function already, and a custom operator's autograd (register_autograd), which the trace keeps
+# as that operator and its registered backward.
+_NOT_THE_MODELS = (DYNAMO_FUNCTION_MODULE, CUSTOM_OP_AUTOGRAD_MODULE)
+
+
 class Recorder:
     """Runs the model once eagerly and records each top-level call of an exported Function:
     registered ones, or every Function with `all_functions` (those are registered here, under
@@ -190,16 +196,24 @@ class Recorder:
         self.compiling = compiling
         self.calls: list[Call] = []
         self.traced_through: set[str] = set()  # Functions seen but not exported
+        self.registered: list[type] = []  # by this recorder (all_functions)
         self._depth = 0
 
     def selected_name(self, func: type) -> str | None:
-        if func.__module__ == DYNAMO_FUNCTION_MODULE:  # a graph from dynamo, which inlined this Function already
+        if func.__module__ in _NOT_THE_MODELS:
             return None
         name = registry.registered_name(func)
         if name is None and self.all_functions:
             registry.register(func)
+            self.registered.append(func)
             name = registry.registered_name(func)
         return name
+
+    def unregister_new(self) -> None:
+        """Unregisters the Functions this recorder registered: a failed export or capture leaves
+        none behind."""
+        for func in self.registered:
+            registry.unregister(func)
 
     def run(self, model, args: tuple, kwargs: dict) -> None:
         """One forward that leaves no trace: buffers (BatchNorm statistics in train mode), tensor
@@ -228,7 +242,7 @@ class Recorder:
     def _apply(self, func, original, args, kwargs):
         name = self.selected_name(func) if self._depth == 0 else None
         if name is None:
-            if self._depth == 0:
+            if self._depth == 0 and func.__module__ not in _NOT_THE_MODELS:
                 self.traced_through.add(registry.qualified_name(func))
             return original(*args, **kwargs)
         args = bind(func, args, kwargs)

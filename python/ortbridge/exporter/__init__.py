@@ -15,13 +15,14 @@ import torch
 
 from . import dynamo as _dynamo, torchscript as _torchscript
 from ..core.functions import ExportError
-from ..core.nodes import DOMAIN, name_nodes, quiet_exporter, unname_unread_context_ids
+from ..core.nodes import DOMAIN, name_nodes, quiet_exporter, rename_values, unname_unread_context_ids
 from ..core.record import Recorder
 
 
 def export(model: torch.nn.Module, args, f=None, *, kwargs: dict | None = None, dynamic_shapes=None,
            dynamo: bool = True, training: bool = False, all_functions: bool = False,
-           allow_object_references: bool = False, opset_version: int | None = None) -> onnx.ModelProto:
+           allow_object_references: bool = False, opset_version: int | None = None,
+           input_names: list[str] | None = None, output_names: list[str] | None = None) -> onnx.ModelProto:
     """Export `model(*args, **kwargs)` to ONNX; save it to `f` (a path or binary file) if given,
     and return it.
 
@@ -31,7 +32,9 @@ def export(model: torch.nn.Module, args, f=None, *, kwargs: dict | None = None, 
     name}). `training=True` exports the model in train mode with nodes that keep their autograd
     context, each context id a graph output (for a PythonOpGrad graph, or release_context).
     Arguments held by reference (objects other than plain values) are valid only in this
-    process: saving such a model needs `allow_object_references=True`.
+    process: saving such a model needs `allow_object_references=True`. `input_names` and
+    `output_names` name the graph's first inputs (the model's tensor arguments, in order) and
+    outputs, as torch.onnx.export's do.
     """
     from ..training.module import OrtModule  # (an OrtModule exports as the module it wraps)
 
@@ -60,9 +63,13 @@ def export(model: torch.nn.Module, args, f=None, *, kwargs: dict | None = None, 
                            f"{', '.join(sorted(recorder.traced_through))}. If one of them cannot be traced, register "
                            "it with ortbridge.register (or pass all_functions=True) to export it as a PythonOp.")
             raise
+    except BaseException:
+        recorder.unregister_new()
+        raise
     finally:
         model.train(was_training)
     name_nodes(proto.graph)
+    rename_values(proto.graph, input_names, output_names)
     if training:
         _expose_contexts(proto.graph)
     else:

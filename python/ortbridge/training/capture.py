@@ -330,46 +330,50 @@ class Capture(NotCopyable):
         self.flat = _Flat(module, spec, leaves)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         recorder = Recorder(all_functions, training=torch.is_grad_enabled())
-        refuse_mistraced(module)
-        before = attributes(module)
-        recorder.run(module, args, kwargs)
-        refuse_changes(before, module, added=True)
-        # What the record run added (lazy initialization), which the trace must leave as it is. (Not
-        # the others: torch's RNNs rebind their flat weights to the trace's tensors, and again to
-        # the parameters at their next eager call.)
-        added = {k: v for k, v in attributes(module).items() if k not in before}
-        table = CallTable(recorder.calls)
-        self.sessions: list[GraphSession] = []  # forward or inference graph, then backward graph
-        self._guards = None
-        fakes, mode, shape_env = _fakes(tensors, dynamic)
-        # Library code asks torch.compiler.is_compiling() for its trace-friendly branch: as under torch.export.
-        # (The tracing context receives the forward graph's metadata; the backward graph is made
-        # with the forward graph, not at the first backward, so that a Step can run both. No saved
-        # tensor is a donated buffer, which AOTAutograd's runtime would refuse retain_graph for:
-        # ONNX Runtime reuses none.)
-        context = TracingContext(mode)
-        on_cpu = all(t.device.type == "cpu" for t in (*tensors, *module.parameters(), *module.buffers()))
-        fused = on_cpu and torch.backends.cuda.flash_sdp_enabled()  # (unless the caller's sdpa_kernel excludes it)
-        attention = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH] if fused else [SDPBackend.MATH]
-        with intercepted(table.functions, _python_op_apply(table)), sdpa_kernel(attention), \
-                compiling_state_context(), tracing(context), capture_config():
-            try:
-                self.compiled = aot_module_simplified(self.flat, fakes, fw_compiler=self._compiler("forward"),
-                                                      bw_compiler=self._compiler("backward"),
-                                                      inference_compiler=self._compiler("inference"),
-                                                      decompositions=_DECOMPOSITIONS,
-                                                      partition_fn=partition)
-            except _DATA_DEPENDENT as e:
-                raise _data_dependent_error(e) from e
-        table.require_all_reached("AOTAutograd's trace of the module")
-        refuse_changes(added, module, added=True)
-        if context.fw_metadata is not None:
-            context.fw_metadata.bw_donated_idxs = []  # (None reads as "some" at run time)
-        self.params = context.params_flat
-        self.step = context.fw_metadata and Step.of(context.fw_metadata, self.sessions, [*self.params, *tensors])
-        if dynamic:
-            code = shape_env.produce_guards_expression(fakes, ignore_static=False)
-            self._guards = code and (compile(code, "<ortbridge guards>", "eval"), shape_env)
+        try:
+            refuse_mistraced(module)
+            before = attributes(module)
+            recorder.run(module, args, kwargs)
+            refuse_changes(before, module, added=True)
+            # What the record run added (lazy initialization), which the trace must leave as it is. (Not
+            # the others: torch's RNNs rebind their flat weights to the trace's tensors, and again to
+            # the parameters at their next eager call.)
+            added = {k: v for k, v in attributes(module).items() if k not in before}
+            table = CallTable(recorder.calls)
+            self.sessions: list[GraphSession] = []  # forward or inference graph, then backward graph
+            self._guards = None
+            fakes, mode, shape_env = _fakes(tensors, dynamic)
+            # Library code asks torch.compiler.is_compiling() for its trace-friendly branch: as under torch.export.
+            # (The tracing context receives the forward graph's metadata; the backward graph is made
+            # with the forward graph, not at the first backward, so that a Step can run both. No saved
+            # tensor is a donated buffer, which AOTAutograd's runtime would refuse retain_graph for:
+            # ONNX Runtime reuses none.)
+            context = TracingContext(mode)
+            on_cpu = all(t.device.type == "cpu" for t in (*tensors, *module.parameters(), *module.buffers()))
+            fused = on_cpu and torch.backends.cuda.flash_sdp_enabled()  # (unless the caller's sdpa_kernel excludes it)
+            attention = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH] if fused else [SDPBackend.MATH]
+            with intercepted(table.functions, _python_op_apply(table)), sdpa_kernel(attention), \
+                    compiling_state_context(), tracing(context), capture_config():
+                try:
+                    self.compiled = aot_module_simplified(self.flat, fakes, fw_compiler=self._compiler("forward"),
+                                                          bw_compiler=self._compiler("backward"),
+                                                          inference_compiler=self._compiler("inference"),
+                                                          decompositions=_DECOMPOSITIONS,
+                                                          partition_fn=partition)
+                except _DATA_DEPENDENT as e:
+                    raise _data_dependent_error(e) from e
+            table.require_all_reached("AOTAutograd's trace of the module")
+            refuse_changes(added, module, added=True)
+            if context.fw_metadata is not None:
+                context.fw_metadata.bw_donated_idxs = []  # (None reads as "some" at run time)
+            self.params = context.params_flat
+            self.step = context.fw_metadata and Step.of(context.fw_metadata, self.sessions, [*self.params, *tensors])
+            if dynamic:
+                code = shape_env.produce_guards_expression(fakes, ignore_static=False)
+                self._guards = code and (compile(code, "<ortbridge guards>", "eval"), shape_env)
+        except BaseException:
+            recorder.unregister_new()  # (a failed capture leaves no Function registered)
+            raise
 
     def accepts(self, tensors: list) -> bool:
         """Whether the capture serves these tensors (always, for a static one: its key matched)."""

@@ -674,6 +674,8 @@ def _export(gm: torch.fx.GraphModule, inputs: list, in_pytorch: set, optimize: b
                                         dtype=t.dtype, device=t.device).zero_() for t in inputs)
     dynamic = tuple({d: torch.export.Dim.AUTO for d, size in enumerate(t.shape) if not isinstance(size, int)}
                     for t in inputs)
+    fallback.fold_error_checks(gm.graph, inputs_checked=True)
+    gm.recompile()
     # (under dynamo, the fake mode of its trace is still current)
     with quiet_exporter(), unset_fake_temporarily():
         dynamic = dynamic if any(dynamic) else None
