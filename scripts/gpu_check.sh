@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CUDA checks on a GPU machine, in one command and offline: installs onnxruntime-gpu from a
-# wheel, builds ortbridge, runs tests/python/test_cuda.py and the CUDA benchmarks.
+# wheel, builds ortbridge, runs tests/python/test_cuda.py, the CUDA benchmarks and examples/distributed.py on NCCL.
 #
 #   bash scripts/gpu_check.sh WHEEL_DIR
 #
@@ -182,9 +182,32 @@ print('onnxruntime', onnxruntime.__version__, onnxruntime.__file__)"
   timeout 90 "$PYTHON" benchmarks/zero_copy.py --device cuda --repeats 5 --target 0.05 --large-repeats 5 2>&1 |
     tee "$LOG_DIR/zero_copy_cuda.log" || zero_copy_rc=${PIPESTATUS[0]}
 
+  # NCCL and FSDP2's CUDA paths: one process (world size 1 still runs NCCL's collectives and
+  # fully_shard's all-gather and reduce-scatter), the example's losses with OrtModule blocks against
+  # eager blocks, step by step.
+  step "examples/distributed.py under torchrun on NCCL: DDP and FSDP2, OrtModule against eager"
+  local distributed_rc=0 engine variant
+  for engine in ddp fsdp; do
+    for variant in eager ortbridge; do
+      timeout 180 "$PYTHON" -m torch.distributed.run --nproc-per-node 1 --standalone examples/distributed.py \
+        $([ "$engine" = fsdp ] && echo --fsdp) $([ "$variant" = eager ] && echo --eager) \
+        > "$LOG_DIR/distributed_${engine}_${variant}.log" 2>&1 || distributed_rc=1
+      grep -E "^(nccl|gloo) on|^step" "$LOG_DIR/distributed_${engine}_${variant}.log" || distributed_rc=1
+    done
+    "$PYTHON" - "$LOG_DIR/distributed_${engine}_eager.log" "$LOG_DIR/distributed_${engine}_ortbridge.log" <<'PY' ||
+import re, sys
+eager, ours = ([float(x) for x in re.findall(r"step \d+: loss (\S+)", open(f).read())] for f in sys.argv[1:])
+assert eager and len(eager) == len(ours), (eager, ours)
+assert all(abs(a - b) <= 1e-3 * max(1.0, abs(a)) for a, b in zip(eager, ours)), (eager, ours)
+print("losses equal to eager's:", ours)
+PY
+      distributed_rc=1
+  done
+
   step "summary"
-  echo "test_cuda.py: exit $tests_rc   overhead.py: exit $overhead_rc   zero_copy.py: exit $zero_copy_rc   (logs: $LOG_DIR)"
-  [ "$tests_rc" -eq 0 ] && [ "$overhead_rc" -eq 0 ] && [ "$zero_copy_rc" -eq 0 ]
+  echo "test_cuda.py: exit $tests_rc   overhead.py: exit $overhead_rc   zero_copy.py: exit $zero_copy_rc" \
+    "  distributed: exit $distributed_rc   (logs: $LOG_DIR)"
+  [ "$tests_rc" -eq 0 ] && [ "$overhead_rc" -eq 0 ] && [ "$zero_copy_rc" -eq 0 ] && [ "$distributed_rc" -eq 0 ]
 }
 
 set +e

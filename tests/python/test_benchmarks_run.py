@@ -20,6 +20,7 @@ BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
     ("apply_cost.py", ["--quick"], "Node owner"),
     ("dropout_step.py", ["--quick"], "torch RNG ms"),
     ("guard_cost.py", ["--quick"], "check/step"),
+    ("distributed_step.py", ["--quick"], "FSDP   per block"),
     ("step_memory.py", ["--quick", "--models", "Block", "--variants", "eager,OrtModule"], "xpeak"),
     # (--by-library: its breakdown is checked to sum to callgrind's totals)
     pytest.param("instructions.py", ["--quick", "--by-library"], "C/C++ runtime", marks=pytest.mark.skipif(

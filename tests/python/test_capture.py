@@ -429,11 +429,13 @@ def test_backward_with_nothing_to_compute_has_no_session():
 def test_parameters_and_modules_have_the_wrapped_modules_names():
     model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
     wrapped = ortbridge.OrtModule(model)
-    for method in ("named_parameters", "named_buffers", "named_modules"):
+    for method in ("named_parameters", "named_buffers"):
         assert [n for n, _ in getattr(wrapped, method)()] == [n for n, _ in getattr(model, method)()], method
     assert list(wrapped.parameters()) == list(model.parameters())
     assert list(wrapped.buffers()) == list(model.buffers())
-    assert list(wrapped.modules()) == list(model.modules())
+    # (the OrtModule itself first, under the wrapped module's name: where torch's fully_shard finds its state)
+    assert list(wrapped.named_modules()) == [("", wrapped), *model.named_modules()]
+    assert list(wrapped.modules()) == [wrapped, *model.modules()]
     assert list(wrapped.state_dict()) == list(model.state_dict())
 
 

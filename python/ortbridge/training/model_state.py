@@ -83,11 +83,16 @@ def _hooks_key(modules: list) -> tuple:
             untraced = [h for h in hooks.values() if not _traced(h)]
             if untraced:
                 where = f"submodule '{name}'" if name else "the wrapped module"
+                # (FSDP2's fully_shard: its hooks gather and free parameters around each forward)
+                sharded = "FSDP" in type(getattr(untraced[0], "__self__", None)).__name__
                 raise CaptureError(
                     f"{where} ({type(module).__name__}) has a {kind[:-1].replace('_', ' ')} ({untraced[0]!r}); a "
                     "captured graph runs without the model's Python code, so the hook would run only while "
-                    "capturing, on trace tensors, never on later calls. Register it on the OrtModule instead (its "
-                    "hooks run in PyTorch around the graphs, with real tensors), or remove it.")
+                    "capturing, on trace tensors, never on later calls. " + (
+                        "It is sharded with fully_shard: wrap each block in an OrtModule first, then fully_shard the "
+                        "blocks and the model (or compile each sharded block: block.compile(backend='ortbridge'))."
+                        if sharded else "Register it on the OrtModule instead (its hooks run in PyTorch around the "
+                        "graphs, with real tensors), or remove it."))
             key.append((index, kind, tuple(hooks)))
     return tuple(key)
 

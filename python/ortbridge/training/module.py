@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
+import inspect
 import logging
 import operator
 import os
@@ -53,6 +55,24 @@ def _to_wrapped_names(module, state_dict: dict, prefix: str, *args) -> None:
     `<prefix><name>`; loading reads them from the OrtModule's child, `<prefix>module.<name>`."""
     for name in [k for k in state_dict if k.startswith(prefix)]:
         state_dict[f"{prefix}module.{name[len(prefix):]}"] = state_dict.pop(name)
+
+
+class _with_the_wrapped_signature:  # noqa: N801 (a decorator)
+    """OrtModule.forward: the function on the class; on an OrtModule, the function bound to it with
+    the wrapped module's forward's signature, which tools read to choose what to pass (Hugging Face's
+    Trainer, the dataset columns)."""
+
+    def __init__(self, function):
+        self.function = function
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return self.function
+        bound = instance.__dict__.get("_forward")
+        if bound is None:
+            bound = instance.__dict__["_forward"] = functools.partial(self.function, instance)
+            bound.__signature__ = inspect.signature(instance.module.forward)
+        return bound
 
 
 class OrtModule(torch.nn.Module):
@@ -105,6 +125,7 @@ class OrtModule(torch.nn.Module):
         self.register_load_state_dict_pre_hook(_to_wrapped_names)
         self._made = True  # (from here, the wrapped module's attributes are set there)
 
+    @_with_the_wrapped_signature
     def forward(self, *args, **kwargs):
         if not kwargs and all(type(x) is torch.Tensor for x in args):  # (no pytree walk: most calls)
             leaves, spec = args, len(args)
@@ -167,8 +188,10 @@ class OrtModule(torch.nn.Module):
         return self._state_without_captures()
 
     def _state_without_captures(self) -> dict:
-        return dict(vars(self), _captures={}, _state=((), (), ()), _state_registrations=None, _submodules=[],
-                    _hooks=Hooks())
+        state = dict(vars(self), _captures={}, _state=((), (), ()), _state_registrations=None, _submodules=[],
+                     _hooks=Hooks())
+        state.pop("_forward", None)  # (bound to this OrtModule)
+        return state
 
     def __deepcopy__(self, memo: dict):
         options = self.options["session_options"]
@@ -193,11 +216,20 @@ class OrtModule(torch.nn.Module):
     def named_buffers(self, *args, **kwargs):
         return self.module.named_buffers(*args, **kwargs)
 
+    # The OrtModule itself, then the wrapped module's, under the same names: torch's fully_shard finds
+    # the FSDP state it gives the OrtModule among the root's modules().
     def modules(self):
-        return self.module.modules()
+        for _, module in self.named_modules():
+            yield module
 
-    def named_modules(self, *args, **kwargs):
-        return self.module.named_modules(*args, **kwargs)
+    def named_modules(self, memo: set | None = None, prefix: str = "", remove_duplicate: bool = True):
+        memo = set() if memo is None else memo
+        if remove_duplicate:
+            if self in memo:
+                return
+            memo.add(self)
+        yield prefix, self
+        yield from self.module.named_modules(memo, prefix, remove_duplicate)
 
     # The wrapped module's names, as a checkpoint of either expects.
     def state_dict(self, *args, **kwargs):
