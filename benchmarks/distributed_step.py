@@ -3,8 +3,9 @@ against OrtModule, and how much of DistributedDataParallel's all-reduce overlaps
 
     python benchmarks/distributed_step.py [--quick]
 
-The model: BLOCKS blocks of Linear(WIDTH, 4 WIDTH), a Function (x * sigmoid(1.702 x), hand-written
-backward), Linear(4 WIDTH, WIDTH) and a residual, on a batch of BATCH rows; SGD. Variants, each
+The model: BLOCKS of examples/distributed.py's blocks (Linear(WIDTH, 4 WIDTH), a Function
+x * sigmoid(1.702 x) with a hand-written backward, Linear(4 WIDTH, WIDTH), a residual), on a batch
+of BATCH rows; SGD. Variants, each
 on the same data in the same run, their repeats interleaved:
   eager          the plain model.
   OrtModule      OrtModule(model): one forward and one backward graph for all blocks.
@@ -45,35 +46,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ortbridge
 from common import versions
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from distributed import Block  # noqa: E402 (the example's block: Linear, a Function, Linear, residual)
+
 WORLD = 2
 BLOCKS, WIDTH, BATCH = 6, 256, 64
 
 
-class ScaledGelu(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * torch.sigmoid(1.702 * x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        s = torch.sigmoid(1.702 * x)
-        return grad * (s + 1.702 * x * s * (1 - s))
-
-
-class Block(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.Linear(4 * WIDTH, WIDTH)
-
-    def forward(self, x):
-        return x + self.down(ScaledGelu.apply(self.up(x)))
-
-
 def _model(per_block: bool) -> torch.nn.Sequential:
     torch.manual_seed(0)
-    blocks = [Block() for _ in range(BLOCKS)]
+    blocks = [Block(WIDTH) for _ in range(BLOCKS)]
     return torch.nn.Sequential(*(ortbridge.OrtModule(b) if per_block else b for b in blocks))
 
 

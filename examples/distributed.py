@@ -30,9 +30,9 @@ class ScaledGelu(torch.autograd.Function):
 
 
 class Block(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, width: int = 16):
         super().__init__()
-        self.up, self.down = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+        self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
 
     def forward(self, x):
         return x + self.down(ScaledGelu.apply(self.up(x)))
