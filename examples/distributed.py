@@ -72,7 +72,10 @@ def main():
         optimizer.zero_grad()
         if rank == 0:
             print(f"step {step}: loss {loss.item():.4f}", flush=True)
-    dist.barrier()  # (every rank done before any tears the group down)
+    # DDP's reducer goes while the process group lives (destroyed after it, gloo can hang at exit);
+    # every rank done before any tears the group down.
+    del model, optimizer
+    dist.barrier()
     dist.destroy_process_group()
 
 

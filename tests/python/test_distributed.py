@@ -41,7 +41,7 @@ def test_trains_as_eager_under_the_same_engine(results, case):
 def test_the_example_runs_under_torchrun(engine):
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           "--standalone", "examples/distributed.py", *(["--fsdp"] if engine == "fsdp" else [])],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     losses = [float(x) for x in re.findall(r"step \d: loss (\S+)", run.stdout)]
     assert len(losses) == 5 and losses[-1] < losses[0], run.stdout

@@ -68,10 +68,11 @@ class _with_the_wrapped_signature:  # noqa: N801 (a decorator)
     def __get__(self, instance, owner=None):
         if instance is None:
             return self.function
-        bound = instance.__dict__.get("_forward")
-        if bound is None:
-            bound = instance.__dict__["_forward"] = functools.partial(self.function, instance)
-            bound.__signature__ = inspect.signature(instance.module.forward)
+        signature = instance.__dict__.get("_forward_signature")
+        if signature is None:
+            signature = instance.__dict__["_forward_signature"] = inspect.signature(instance.module.forward)
+        bound = functools.partial(self.function, instance)  # (made per access: kept, it would be a cycle)
+        bound.__signature__ = signature
         return bound
 
 
@@ -190,7 +191,7 @@ class OrtModule(torch.nn.Module):
     def _state_without_captures(self) -> dict:
         state = dict(vars(self), _captures={}, _state=((), (), ()), _state_registrations=None, _submodules=[],
                      _hooks=Hooks())
-        state.pop("_forward", None)  # (bound to this OrtModule)
+        state.pop("_forward_signature", None)  # (read again from the wrapped module)
         return state
 
     def __deepcopy__(self, memo: dict):
