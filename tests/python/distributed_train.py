@@ -232,6 +232,7 @@ def worker(rank: int, port: int | None, cases: list) -> None:
     results = {}
     for name in cases:
         CAPTURES.count = 0
+        torch._dynamo.reset()  # (each case compiles afresh: a graph cached by an earlier case logs no capture)
         try:
             results[name] = f"max difference {CASES[name](rank):.3g}"
         except Exception as e:  # (reported per case: the other cases still run)
