@@ -57,23 +57,24 @@ def _to_wrapped_names(module, state_dict: dict, prefix: str, *args) -> None:
         state_dict[f"{prefix}module.{name[len(prefix):]}"] = state_dict.pop(name)
 
 
+class _Bound(functools.partial):
+    """OrtModule.forward bound to an OrtModule, with the wrapped module's forward's signature, which
+    tools read to choose what to pass (Hugging Face's Trainer, the dataset columns)."""
+
+    @property
+    def __signature__(self):
+        return inspect.signature(self.args[0].module.forward)
+
+
 class _with_the_wrapped_signature:  # noqa: N801 (a decorator)
-    """OrtModule.forward: the function on the class; on an OrtModule, the function bound to it with
-    the wrapped module's forward's signature, which tools read to choose what to pass (Hugging Face's
-    Trainer, the dataset columns)."""
+    """OrtModule.forward: the function on the class, a _Bound on an OrtModule (made per access: kept
+    on the OrtModule, it would make it a reference cycle)."""
 
     def __init__(self, function):
         self.function = function
 
     def __get__(self, instance, owner=None):
-        if instance is None:
-            return self.function
-        signature = instance.__dict__.get("_forward_signature")
-        if signature is None:
-            signature = instance.__dict__["_forward_signature"] = inspect.signature(instance.module.forward)
-        bound = functools.partial(self.function, instance)  # (made per access: kept, it would be a cycle)
-        bound.__signature__ = signature
-        return bound
+        return self.function if instance is None else _Bound(self.function, instance)
 
 
 class OrtModule(torch.nn.Module):
@@ -189,10 +190,8 @@ class OrtModule(torch.nn.Module):
         return self._state_without_captures()
 
     def _state_without_captures(self) -> dict:
-        state = dict(vars(self), _captures={}, _state=((), (), ()), _state_registrations=None, _submodules=[],
-                     _hooks=Hooks())
-        state.pop("_forward_signature", None)  # (read again from the wrapped module)
-        return state
+        return dict(vars(self), _captures={}, _state=((), (), ()), _state_registrations=None, _submodules=[],
+                    _hooks=Hooks())
 
     def __deepcopy__(self, memo: dict):
         options = self.options["session_options"]
