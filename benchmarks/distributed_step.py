@@ -8,7 +8,10 @@ x * sigmoid(1.702 x) with a hand-written backward, Linear(4 WIDTH, WIDTH), a res
 of BATCH rows; SGD. Variants, each
 on the same data in the same run, their repeats interleaved:
   eager          the plain model.
-  OrtModule      OrtModule(model): one forward and one backward graph for all blocks.
+  OrtModule      OrtModule(model): one forward and one backward graph for all blocks; under
+                 torch.distributed its backward graph runs in stages by default (stages.py:
+                 one per STAGE_BYTES of gradients), each stage's gradients released to DDP.
+  one piece      OrtModule(model, backward_stages=1): the backward graph in one run (DDP only).
   per block      each block an OrtModule (the usual pattern, as under FSDP2).
   compile        torch.compile(DDP(model), backend="ortbridge") (DDP only): dynamo splits the
                  model's graph where DDP's buckets end, each piece a capture of its own.
@@ -23,8 +26,8 @@ Overlap (DDP): a communication hook records when each bucket's all-reduce starts
 autograd; the backward run is from backward()'s call to the last gradient. Overlap = the part of
 the all-reduce time (summed over buckets) inside the backward run, over all of it, median over the
 timed steps of rank 0. Eager's DDP starts a bucket's all-reduce while the rest of backward runs;
-an OrtModule's parameters get their gradients when its whole backward graph has run, so per block
-its blocks' buckets can overlap the other blocks' backward runs, and a whole-model OrtModule's none.
+an OrtModule's parameters get their gradients when the backward run (or stage) that computes them
+ends: in one piece, only the last bucket's all-reduce can start, after the whole graph.
 """
 
 from __future__ import annotations
@@ -99,6 +102,8 @@ def _variants(engine: str) -> dict:
         whole = copy.deepcopy(base)
         variants["eager"] = (DDP(copy.deepcopy(base), bucket_cap_mb=1), None)
         variants["OrtModule"] = (DDP(ortbridge.OrtModule(whole), bucket_cap_mb=1), None)
+        variants["one piece"] = (DDP(ortbridge.OrtModule(copy.deepcopy(base), backward_stages=1), bucket_cap_mb=1),
+                                 None)
         per_block = torch.nn.Sequential(*(ortbridge.OrtModule(copy.deepcopy(b)) for b in base))
         variants["per block"] = (DDP(per_block, bucket_cap_mb=1), None)
         variants["compile"] = (DDP(copy.deepcopy(base), bucket_cap_mb=1), None)

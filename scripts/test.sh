@@ -61,13 +61,14 @@ PYTHONPATH="$target" $PYTHON -m pytest -q -p no:cacheprovider tests/python/test_
 # and Hugging Face models, checkpointing), what a training script changes between calls (dtypes,
 # autocast, modes, hooks, copies), bfloat16, random operators, OnnxModule, where torch's private
 # APIs are reached, custom operators (torch.library, C++), linalg's error checks, ONNX Runtime's tools,
-# DDP and FSDP2.
+# DDP and FSDP2, backward graphs in stages.
 compat_suites="tests/python/test_inference.py tests/python/test_training_graph.py tests/python/test_inplace.py
   tests/python/test_errors.py tests/python/test_export.py tests/python/test_training.py
   tests/python/test_capture.py tests/python/test_model_changes.py tests/python/test_mixed_precision.py
   tests/python/test_randomness.py tests/python/test_copy_safety.py tests/python/test_onnx_module.py
   tests/python/test_real_models.py tests/python/test_private_apis.py tests/python/test_kernel_styles.py
-  tests/python/test_linalg_checks.py tests/python/test_onnxruntime_tools.py tests/python/test_distributed.py"
+  tests/python/test_linalg_checks.py tests/python/test_onnxruntime_tools.py tests/python/test_distributed.py
+  tests/python/test_backward_stages.py"
 for cell in ${TORCH_COMPAT-2.9.1:3.11 2.11.0:3.12 2.15.0:3.13}; do
   echo "== torch ${cell%%:*} on Python ${cell##*:}"
   python=$(bash scripts/compat_env.sh "${cell%%:*}" "${cell##*:}" | tail -n 1)

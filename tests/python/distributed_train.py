@@ -1,10 +1,11 @@
 """OrtModule under torch's distributed engines, 2 processes with the gloo backend, each case against
 the eager model under the same engine on the same data: DistributedDataParallel (no_sync gradient
 accumulation, find_unused_parameters, static_graph, batch norm buffers broadcast, uneven inputs
-with join) and FSDP2's fully_shard of each block (with a MixedPrecisionPolicy, with activation
-checkpointing inside the blocks); both with torch.compile(backend="ortbridge") of the distributed
-model instead of OrtModule blocks. Losses, every gradient, every parameter and buffer after the
-steps are compared. Run by test_distributed.py (`python distributed_train.py [case ...]`,
+with join, backward graphs in stages: given, and by default) and FSDP2's fully_shard of each block
+(with a MixedPrecisionPolicy, with activation checkpointing inside the blocks, in stages); both
+with torch.compile(backend="ortbridge") of the distributed model instead of OrtModule blocks.
+Losses, every gradient, every parameter and buffer after the steps are compared. One more case
+checks that nothing the sharded blocks save for backward holds a gathered parameter. Run by test_distributed.py (`python distributed_train.py [case ...]`,
 or under torchrun); prints one line per case and rank: `case <name> rank <r>: max difference <d>`."""
 
 import copy
@@ -22,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
 import ortbridge
+from ortbridge.training import stages
 
 nn = torch.nn
 WORLD = 2
@@ -130,12 +132,35 @@ def _pair(make, wrap_eager, wrap_ours):
 def _ddp(**options):
     def case(rank):
         make = lambda: Net(**{k: v for k, v in options.items() if k in ("batch_norm", "unused")})  # noqa: E731
-        ddp = {k: v for k, v in options.items() if k in ("find_unused_parameters", "static_graph")}
+        ddp = {k: v for k, v in options.items() if k in ("find_unused_parameters", "static_graph", "bucket_cap_mb")}
+        wrap = lambda m: ortbridge.OrtModule(m, backward_stages=options.get("backward_stages"))  # noqa: E731
         ours = (lambda m: torch.compile(DDP(m, **ddp), backend="ortbridge")) if options.get("compiled") else \
-            (lambda m: DDP(ortbridge.OrtModule(m), **ddp))
+            (lambda m: DDP(wrap(m), **ddp))
         models = _pair(make, lambda m: DDP(m, **ddp), ours)
-        return _train(list(models), rank, accumulate=options.get("accumulate", 1))
+        difference = _train(list(models), rank, accumulate=options.get("accumulate", 1))
+        _check_stages(models[1], options.get("stages", 1))
+        return difference
     return case
+
+
+def _check_stages(model: nn.Module, expected: int) -> None:
+    """That each OrtModule's backward graph ran in `expected` stages (at least, for more than 1)."""
+    for m in model.modules():
+        if isinstance(m, ortbridge.OrtModule):
+            for captures in m._captures.values():
+                for capture in captures:
+                    count = getattr(capture.sessions[1], "count", 1)
+                    assert count >= expected if expected > 1 else count == 1, f"{count} stages, not {expected}"
+
+
+def _ddp_stages_by_default(rank):
+    """Under torch.distributed an OrtModule's backward graph runs in stages of STAGE_BYTES of
+    gradients by default (here a few hundred bytes, for this small model)."""
+    stages.STAGE_BYTES, before = 256, stages.STAGE_BYTES
+    try:
+        return _ddp(bucket_cap_mb=0.001, stages=2)(rank)
+    finally:
+        stages.STAGE_BYTES = before
 
 
 def _ddp_join(rank):
@@ -149,7 +174,7 @@ def _ddp_join(rank):
     return max(worst, _difference(*models, "grad"))
 
 
-def _fsdp(mixed_precision=False, compiled=False, **options):
+def _fsdp(mixed_precision=False, compiled=False, backward_stages=None, **options):
     def shard(model):
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision \
             else MixedPrecisionPolicy()
@@ -158,10 +183,38 @@ def _fsdp(mixed_precision=False, compiled=False, **options):
         return fully_shard(model, mp_policy=policy)
 
     def case(rank):
-        ours = _blocks_compiled if compiled else (lambda m: shard(_blocks_wrapped(m)))
+        ours = _blocks_compiled if compiled else (lambda m: shard(_blocks_wrapped(m, backward_stages)))
         models = _pair(lambda: Net(**options), shard, ours)
-        return _train(list(models), rank)
+        difference = _train(list(models), rank)
+        _check_stages(models[1], backward_stages or 1)
+        return difference
     return case
+
+
+def _fsdp_keeps_no_gathered_parameter(rank):
+    """After the forward of sharded OrtModule blocks, nothing saved for backward holds a gathered
+    parameter's values: FSDP has freed the gathered parameters then (their storage resized to
+    nothing, references and all), and a session that kept one, or a copy of one (a transposed
+    weight, say), would show here. The case's difference: how many saved tensors do."""
+    model = _sharded(_blocks_wrapped(Net()))
+    for _ in range(2):  # (the second: a run of the captured graphs)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            loss = model(_data(rank, 0)).square().mean()
+        # (the blocks': the root's are not freed after forward, as its backward starts at once)
+        full = [_full(p.detach()) for p in model.blocks.parameters()]
+        kept = [t for t in saved if t.untyped_storage().nbytes() and
+                any(t.numel() == p.numel() and (torch.equal(t.reshape(p.shape), p) or
+                                                 (p.dim() == 2 and torch.equal(t.reshape(p.t().shape), p.t())))
+                    for p in full)]
+        loss.backward()
+    return float(len(kept))
+
+
+def _sharded(model: Net) -> Net:
+    for block in model.blocks:
+        fully_shard(block)
+    return fully_shard(model)
 
 
 def _fsdp_inside_refused(rank):
@@ -187,9 +240,10 @@ def _blocks_compiled(model: Net) -> Net:
     return fully_shard(model)
 
 
-def _blocks_wrapped(model: Net) -> Net:
+def _blocks_wrapped(model: Net, backward_stages: int | None = None) -> Net:
     """The usual pattern: each block an OrtModule, then sharded."""
-    model.blocks = nn.ModuleList([ortbridge.OrtModule(block) for block in model.blocks])
+    model.blocks = nn.ModuleList([ortbridge.OrtModule(block, backward_stages=backward_stages)
+                                  for block in model.blocks])
     return model
 
 
@@ -200,10 +254,14 @@ CASES = {
     "ddp_static_graph": _ddp(static_graph=True),
     "ddp_batch_norm_buffers": _ddp(batch_norm=True),
     "ddp_join_uneven_inputs": _ddp_join,
+    "ddp_backward_stages": _ddp(backward_stages=3, bucket_cap_mb=0.001, stages=2),
+    "ddp_backward_stages_by_default": _ddp_stages_by_default,
     "fsdp": _fsdp(),
     "fsdp_mixed_precision": _fsdp(mixed_precision=True),
     "fsdp_checkpointed_blocks": _fsdp(checkpointed=True),
+    "fsdp_backward_stages": _fsdp(backward_stages=2),
     "fsdp_inside_ortmodule_refused": _fsdp_inside_refused,
+    "fsdp_keeps_no_gathered_parameter": _fsdp_keeps_no_gathered_parameter,
     "ddp_compiled": _ddp(compiled=True),
     "fsdp_compiled": _fsdp(compiled=True),
 }

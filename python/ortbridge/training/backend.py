@@ -17,6 +17,6 @@ from .module import OrtModule
 def ortbridge(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None) -> OrtModule:
     """The dynamo backend (registered as "ortbridge" through the package's entry point).
     `torch.compile(model, backend="ortbridge", options={...})` takes OrtModule's keyword
-    arguments: session_options, providers, save_graphs, all_functions, dynamic (another key is
+    arguments: session_options, providers, save_graphs, all_functions, dynamic, backward_stages (another key is
     OrtModule's TypeError)."""
     return OrtModule(gm, **(options or {}))

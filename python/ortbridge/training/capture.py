@@ -36,6 +36,7 @@ from . import ops
 from .graph import GraphSession
 from .model_state import CaptureError, attributes, refuse_changes, refuse_mistraced
 from .partition import partition
+from .stages import StagedBackward, stages_for
 from .step import Step
 
 aten = torch.ops.aten
@@ -391,13 +392,28 @@ class Capture(NotCopyable):
             started = time.perf_counter()
             _tiled_pads_as_cat(gm)
             with tracing(None):  # (the export traces in a context of its own)
-                self.sessions.append(GraphSession(gm, kind == "forward", self.options.get("session_options"),
-                                                  self.options.get("providers"), save_as))
+                self.sessions.append(self._session(gm, kind, save_as))
             log.info("%s: %s graph in ONNX Runtime after %.2f s%s", self.name, kind, time.perf_counter() - started,
                      f", saved to {save_as}" if save_as else "")
             return self.sessions[-1]
 
         return compile_graph
+
+    def _session(self, gm: torch.fx.GraphModule, kind: str, save_as: str | None) -> GraphSession | StagedBackward:
+        options, providers = self.options.get("session_options"), self.options.get("providers")
+        stages = self.options.get("backward_stages")
+        if kind == "backward" and (stages or stages_for(gm)) > 1:
+            try:
+                staged = StagedBackward.of(gm, stages or stages_for(gm), options, providers, save_as)
+            except Exception as e:  # (the graph in one piece stays right: staging only releases gradients sooner)
+                (log.warning if stages else log.info)(
+                    "%s: the backward graph runs in one piece, not in stages (%s: %s)", self.name, type(e).__name__,
+                    str(e).splitlines()[0] if str(e) else "")
+                staged = None
+            if staged is not None:
+                log.info("%s: the backward graph runs in %d stages", self.name, staged.count)
+                return staged
+        return GraphSession(gm, kind == "forward", options, providers, save_as)
 
     def __call__(self, tensors: list) -> object:
         if self.step is not None:

@@ -472,6 +472,15 @@ class GraphSession(NotCopyable):
                 self.model.SerializeToString(), default_session_options(graph.largest_tensor, spinning=True),
                 providers=_providers(providers, graph.device), disabled_optimizers=self._disabled_optimizers))
 
+    @property
+    def runs_contexts(self) -> bool:
+        """Whether its runs take Functions' contexts (a backward graph's PythonOpGrads)."""
+        return bool(self.graph.context_args)
+
+    def computes(self, i: int) -> bool:
+        """Whether output i is a value (not None: no gradient)."""
+        return self.graph.sources[i][0] != "none"
+
     def recycle(self, computed: list) -> None:
         """Recycle these computed outputs, which never leave the caller's hands (lent buffers,
         tensors saved for backward): a run writes each into the last run's buffer where nothing

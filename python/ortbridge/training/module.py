@@ -107,17 +107,24 @@ class OrtModule(torch.nn.Module):
     `<Module>_<signature>_<k>_{forward,backward,inference}.onnx`. Captures are logged (logger
     `ortbridge`, INFO) with their times. `parameters()`, `named_parameters()`, `buffers()`,
     `modules()` and their named forms give the wrapped module's (names without a prefix).
+
+    `backward_stages`: how many ONNX Runtime runs a backward graph takes, each giving autograd
+    the gradients it computed as soon as it ends (so that DDP all-reduces them while the next
+    runs; up to that many: stages of about equal gradient bytes). By default one, unless
+    torch.distributed runs more than one process; then about one per few MiB of gradients
+    (training/stages.py).
     """
 
     def __init__(self, module: torch.nn.Module, *, all_functions: bool = True, dynamic: bool = False,
                  session_options: ort.SessionOptions | None = None, providers: list | None = None,
-                 save_graphs: str | os.PathLike | None = None):
+                 save_graphs: str | os.PathLike | None = None, backward_stages: int | None = None):
         super().__init__()
         self.module = module
         self.all_functions = all_functions
         self.dynamic = dynamic
         self.options = {"session_options": session_options, "providers": providers,
-                        "save_graphs": os.fspath(save_graphs) if save_graphs is not None else None}
+                        "save_graphs": os.fspath(save_graphs) if save_graphs is not None else None,
+                        "backward_stages": backward_stages}
         self._captures: dict = {}  # signature -> the captures made for it
         self._state: tuple = ((), (), ())  # the module's submodules, parameters and buffers, which the captures hold
         self._state_registrations = None  # _registrations when _state was read

@@ -18,6 +18,7 @@ from .._torch_private import (MutationType, OutputType, direct_apply, functorch_
                               is_any_autocast_enabled, is_tangent, is_traceable_wrapper_subclass,
                               leave_non_differentiable_gradients_absent, opaque_objects_saved,
                               saved_for_backward)
+from .stages import StagedBackward
 
 
 class Step(NotCopyable):
@@ -39,9 +40,12 @@ class Step(NotCopyable):
                          if issubclass(info.raw_type, torch.Tensor) and is_tangent(info)]
         # Inputs with a history whose gradient the backward graph never computes: detached, as
         # AOTAutograd does, so that torch's backward does not walk into that history.
-        self.detached = [i for i, (info, source) in enumerate(zip(meta.input_info, backward.graph.sources))
-                         if source[0] == "none" and info.requires_grad and not info.is_leaf]
-        self.runs_contexts = bool(backward.graph.context_args)  # (its Functions' contexts: released by a run)
+        self.detached = [i for i, info in enumerate(meta.input_info)
+                         if not backward.computes(i) and info.requires_grad and not info.is_leaf]
+        self.runs_contexts = backward.runs_contexts  # (its Functions' contexts: released by a run)
+        # A backward graph in stages (stages.py): the inputs whose gradients a later stage gives
+        # reach the step through that stage's _Stage node.
+        self.staged = backward if isinstance(backward, StagedBackward) else None
         # What only the step saves for backward is written into the last step's buffers where
         # nothing holds them any more (GraphSession.recycle).
         computed = [j for kind, j, *_ in forward.graph.sources[self.saved] if kind == "onnx"]
@@ -64,10 +68,22 @@ class Step(NotCopyable):
         for i in self.detached:
             args[i] = args[i].detach()
         # (torch's Python wrapper of apply only passes the arguments on, unless functorch is active)
-        returned = (_StepFunction.apply if _functorch_active() else _apply_step)(self, *args)
+        if self.staged is not None:
+            returned = self._apply_staged(args)
+        else:
+            returned = (_StepFunction.apply if _functorch_active() else _apply_step)(self, *args)
         for k, i in enumerate(self.mutated):
             args[i].copy_(returned[k])
         return returned[self.outputs]
+
+    def _apply_staged(self, args: list) -> tuple:
+        staged, pending, carrier = self.staged, _Pending(self.staged), None
+        given = list(args)
+        for k in range(staged.count - 1, 0, -1):
+            carrier = _Stage.apply(pending, k, carrier, *(args[i] for i in staged.gradients[k]))
+            for i in staged.gradients[k]:
+                given[i] = args[i].detach()  # (its gradient is the _Stage node's to give)
+        return _StagedStepFunction.apply(self, pending, carrier, *given)
 
 
 def _plain(meta) -> bool:
@@ -82,45 +98,106 @@ def _plain(meta) -> bool:
                     for info in (meta.input_info[i] for i in meta.mutated_inp_runtime_indices)))
 
 
+def _forward(ctx, step: Step, args: tuple) -> tuple:
+    outputs = step.forward_graph(list(args))
+    ctx.step = step
+    ctx.save_for_backward(*(t.detach() if t._is_view() else t for t in outputs[step.saved]))
+    ctx.unchecked = outputs[step.unchecked]
+    ctx.symints = outputs[step.symints]
+    returned = tuple(outputs[:step.returned])
+    ctx.mark_non_differentiable(*(returned[k] for k in step.non_differentiable))
+    leave_non_differentiable_gradients_absent(ctx)  # (their gradients are not inputs of the backward graph)
+    return returned
+
+
+def _backward_inputs(ctx, grads: tuple) -> list:
+    """The backward graph's inputs: what the forward saved, then the outputs' gradients."""
+    step = ctx.step
+    if step.runs_contexts:
+        if getattr(ctx, "ran", False):
+            raise RuntimeError("ortbridge: a second backward through a captured step (retain_graph=True) whose "
+                               "graph calls Functions: their contexts were released by the first backward. "
+                               "Call the module again for another backward.")
+        ctx.ran = True
+    return [*ctx.symints, *ctx.saved_tensors, *ctx.unchecked, *(grads[k] for k in step.tangents)]
+
+
 class _StepFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, step: Step, *args):
-        outputs = step.forward_graph(list(args))
-        ctx.step = step
-        ctx.save_for_backward(*(t.detach() if t._is_view() else t for t in outputs[step.saved]))
-        ctx.unchecked = outputs[step.unchecked]
-        ctx.symints = outputs[step.symints]
-        returned = tuple(outputs[:step.returned])
-        ctx.mark_non_differentiable(*(returned[k] for k in step.non_differentiable))
-        leave_non_differentiable_gradients_absent(ctx)  # (their gradients are not inputs of the backward graph)
-        return returned
+        return _forward(ctx, step, args)
 
     @staticmethod
     def backward(ctx, *grads):
-        step = ctx.step
-        if step.runs_contexts:
-            if getattr(ctx, "ran", False):
-                raise RuntimeError("ortbridge: a second backward through a captured step (retain_graph=True) whose "
-                                   "graph calls Functions: their contexts were released by the first backward. "
-                                   "Call the module again for another backward.")
-            ctx.ran = True
-        args = [*ctx.symints, *ctx.saved_tensors, *ctx.unchecked, *(grads[k] for k in step.tangents)]
+        args = _backward_inputs(ctx, grads)
         if torch.is_grad_enabled():  # (create_graph=True: first-order gradients, as AOTAutograd gives)
-            return (None, *_FirstOrder.apply(step, torch.empty(0, requires_grad=True), *args))
-        return (None, *step.backward_graph(args))
+            return (None, *_first_order(ctx.step.backward_graph, args))
+        return (None, *ctx.step.backward_graph(args))
 
 
 _functorch_active = functorch_transforms_active
 _apply_step = direct_apply(_StepFunction) or _StepFunction.apply
 
 
+class _StagedStepFunction(torch.autograd.Function):
+    """A step whose backward graph runs in stages: its backward runs stage 0 and leaves what the
+    later stages read in `pending`, for the _Stage nodes; `carrier`: the output of stage 1's."""
+
+    @staticmethod
+    def forward(ctx, step: Step, pending: _Pending, carrier, *args):
+        ctx.pending = pending
+        return _forward(ctx, step, args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        gradients = [None] * (len(ctx.needs_input_grad) - 3)
+        for i, gradient in zip(ctx.step.staged.gradients[0], ctx.pending.start(_backward_inputs(ctx, grads))):
+            gradients[i] = gradient
+        return (None, None, torch.empty(0), *gradients)  # (the carrier's: so that autograd runs stage 1 next)
+
+
+class _Pending:
+    """One forward call's staged backward: the values later stages read, from its stage 0 on."""
+
+    def __init__(self, staged: StagedBackward):
+        self.staged = staged
+        self.values = None
+
+    def start(self, args: list) -> list:
+        self.values = dict(enumerate(args))
+        return self.run(0)
+
+    def run(self, k: int) -> list:
+        return self.staged.run(k, self.values, _first_order if torch.is_grad_enabled() else None)
+
+
+class _Stage(torch.autograd.Function):
+    """Stage k (> 0) of a staged backward, between the node of stage k - 1 and the tensors whose
+    gradients stage k gives: its forward gives a carrier (an empty tensor, which that node takes,
+    so that autograd runs this one after it); its backward runs the stage."""
+
+    @staticmethod
+    def forward(ctx, pending: _Pending, k: int, carrier, *tensors):
+        ctx.pending, ctx.k, ctx.carries = pending, k, carrier is not None
+        return torch.empty(0)
+
+    @staticmethod
+    def backward(ctx, carried):
+        gradients = ctx.pending.run(ctx.k)
+        return (None, None, torch.empty(0) if ctx.carries else None, *gradients)
+
+
+def _first_order(backward_graph, args: list) -> tuple:
+    return _FirstOrder.apply(backward_graph, torch.empty(0, requires_grad=True), *args)
+
+
 class _FirstOrder(torch.autograd.Function):
-    """The backward graph's run under create_graph=True: its gradients have a history whose own
+    """A backward graph's run under create_graph=True: its gradients have a history whose own
     backward refuses to run (the graph has no derivative), where it would give wrong results."""
 
     @staticmethod
-    def forward(ctx, step: Step, anchor, *args):  # (anchor: a tensor that needs a gradient, so the outputs do)
-        return tuple(step.backward_graph(list(args)))
+    def forward(ctx, backward_graph, anchor, *args):  # (anchor: a tensor that needs a gradient, so the outputs do)
+        return tuple(backward_graph(list(args)))
 
     @staticmethod
     def backward(ctx, *grads):
