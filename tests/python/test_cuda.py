@@ -641,6 +641,19 @@ def test_cnn_trains_with_ortmodule_like_eager(full_float32, sessions_made):
 
 
 @cuda
+def test_cnn_trains_with_its_backward_in_stages_like_eager(full_float32, sessions_made):
+    """The backward graph in stages (training/stages.py): a session per stage on ORT's stream, each
+    stage's gradients released to autograd's CUDA thread before the next runs."""
+    torch.manual_seed(0)
+    wrapped = train_side_by_side(
+        _cnn().cuda(), _inputs(4, 3, 16, 16), _ce_loss, lr=0.05, rtol=1e-3, atol=1e-4,
+        wrap=lambda m: ortbridge.OrtModule(m, providers=EXACT, backward_stages=3))
+    (capture,) = [c for captures in wrapped._captures.values() for c in captures]
+    assert capture.sessions[1].count > 1, "the backward graph ran in one piece"
+    assert sessions_made and all(p[0] == "CUDAExecutionProvider" for p in sessions_made), sessions_made
+
+
+@cuda
 def test_torch_compile_backend_on_cuda(full_float32, sessions_made):
     torch._dynamo.reset()
     torch.manual_seed(0)
