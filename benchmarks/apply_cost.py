@@ -28,7 +28,6 @@ import psutil
 import torch
 
 
-
 class Scale(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -41,6 +40,7 @@ class Scale(torch.autograd.Function):
 
 def per_call_us(call, repeats: int, target: float) -> float:
     """Median over `repeats` of the time of one call, in a loop of N calls that lasts `target` s."""
+
     def run(n):
         started = time.perf_counter()
         for _ in range(n):
@@ -69,8 +69,12 @@ def function_apply(processes: int, repeats: int, target: float) -> dict:
     results = {"without": {"train": [], "no_grad": []}, "with": {"train": [], "no_grad": []}}
     for _ in range(processes):
         for side in ("without", "with"):
-            out = subprocess.run([sys.executable, __file__, "--child", side, "--repeats", str(repeats),
-                                  "--target", str(target)], capture_output=True, text=True, check=True).stdout
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", side, "--repeats", str(repeats), "--target", str(target)],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
             for mode, us in json.loads(out.splitlines()[-1]).items():
                 results[side][mode].append(us)
     return results
@@ -110,8 +114,10 @@ def main():
         args.processes, args.repeats, args.target, args.owners = 1, 3, 0.02, 10_000
     from ortbridge import _torch_private
 
-    print(f"torch {torch.__version__}, Python {sys.version.split()[0]}; Function.apply in C: "
-          f"{_torch_private.APPLY_IN_C}; a context owns its node: {_torch_private.CONTEXT_OWNS_NODE}")
+    print(
+        f"torch {torch.__version__}, Python {sys.version.split()[0]}; Function.apply in C: "
+        f"{_torch_private.APPLY_IN_C}; a context owns its node: {_torch_private.CONTEXT_OWNS_NODE}"
+    )
     results = function_apply(args.processes, args.repeats, args.target)
     print(f"\n1. Function.apply, us per call (median of {args.processes} processes each, alternated)")
     print(f"{'mode':>8} {'without':>9} {'with':>9} {'with-without':>13} {'ratio':>7}  goal: <= 1.02 or +0.1 us")
@@ -119,14 +125,18 @@ def main():
         without = statistics.median(results["without"][mode])
         with_ = statistics.median(results["with"][mode])
         met = with_ / without <= 1.02 or with_ - without <= 0.1
-        print(f"{mode:>8} {without:9.3f} {with_:9.3f} {with_ - without:+13.3f} {with_ / without:7.3f}  "
-              f"{'met' if met else 'MISSED'}")
+        print(
+            f"{mode:>8} {without:9.3f} {with_:9.3f} {with_ - without:+13.3f} {with_ / without:7.3f}  "
+            f"{'met' if met else 'MISSED'}"
+        )
 
     owner_us, apply_us, per_owner = node_owner(args.repeats, args.target, args.owners)
     used = "used on this release" if _torch_private.node_owner is not None else "not used on this release"
-    print(f"\n2. Node owner ({used}): {owner_us:.3f} us to make one, next to {apply_us:.3f} us per "
-          f"Function.apply in train mode ({owner_us / apply_us:.2f} x); {per_owner:.0f} bytes per live one "
-          f"(RSS over {args.owners} held)")
+    print(
+        f"\n2. Node owner ({used}): {owner_us:.3f} us to make one, next to {apply_us:.3f} us per "
+        f"Function.apply in train mode ({owner_us / apply_us:.2f} x); {per_owner:.0f} bytes per live one "
+        f"(RSS over {args.owners} held)"
+    )
 
 
 if __name__ == "__main__":

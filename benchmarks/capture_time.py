@@ -60,13 +60,14 @@ import time
 
 import onnxruntime as ort
 import torch
+from common import versions
+from train_step import BiasGelu, cnn_case, trainer
 
 import ortbridge
 import ortbridge.exporter
 import ortbridge.exporter.dims
-from common import versions
 from ortbridge.core import fallback, record
-from train_step import BiasGelu, cnn_case, trainer
+
 
 class Layer(torch.nn.Module):
     def __init__(self, width: int):
@@ -144,8 +145,11 @@ def export_timer() -> PhaseTimer:
     timer.wrap(torch.export, "export", "torch.export", absorbed_by=("fallback",))
     timer.wrap(fallback, "exportable", "fallback")
     timer.wrap(fallback, "to_onnx", "ONNX translation")
-    for owner, attr in ((ortbridge.exporter, "name_nodes"), (ortbridge.exporter, "_expose_contexts"),
-                        (ortbridge.exporter.dims, "rename")):
+    for owner, attr in (
+        (ortbridge.exporter, "name_nodes"),
+        (ortbridge.exporter, "_expose_contexts"),
+        (ortbridge.exporter.dims, "rename"),
+    ):
         timer.wrap(owner, attr, "post-processing")
     timer.wrap(ortbridge.runtime.InferenceSession, "__init__", "session creation")
     return timer
@@ -175,8 +179,14 @@ def export_once(calls: int, training: bool) -> tuple[float, dict, str | None]:
     if len(contexts) != (calls if training else 0):
         return total, timer.times, f"{len(contexts)} context-id outputs"
     if not torch.allclose(torch.from_numpy(y), expected, rtol=1e-4, atol=1e-6):
-        return total, timer.times, (f"ONNX Runtime's output differs from eager's "
-                                    f"(max |diff| {(torch.from_numpy(y) - expected).abs().max().item():.3g})")
+        return (
+            total,
+            timer.times,
+            (
+                f"ONNX Runtime's output differs from eager's "
+                f"(max |diff| {(torch.from_numpy(y) - expected).abs().max().item():.3g})"
+            ),
+        )
     return total, timer.times, None
 
 
@@ -186,8 +196,12 @@ def capture_timer() -> PhaseTimer:
     timer = PhaseTimer()
     timer.wrap(record.Recorder, "run", "record")
     timer.wrap(capture, "aot_module_simplified", "AOTAutograd")  # (the backward graph is made inside it)
-    timer.wrap(graph.GraphSession, "__init__", "{graph} session glue",
-               label=lambda args, kwargs: "fw" if (args[2] if len(args) > 2 else kwargs["training"]) else "bw")
+    timer.wrap(
+        graph.GraphSession,
+        "__init__",
+        "{graph} session glue",
+        label=lambda args, kwargs: "fw" if (args[2] if len(args) > 2 else kwargs["training"]) else "bw",
+    )
     timer.wrap(graph.OnnxGraph, "__init__", "{graph} FX rewrite")
     timer.wrap(torch.export, "export", "{graph} torch.export", absorbed_by=("{graph} fallback",))
     timer.wrap(fallback, "exportable", "{graph} fallback")
@@ -199,8 +213,18 @@ def capture_timer() -> PhaseTimer:
 
 
 CAPTURE_PHASES = ["record", "AOTAutograd"] + [
-    f"{g} {p}" for g in ("fw", "bw") for p in ("FX rewrite", "torch.export", "fallback", "ONNX translation",
-                                               "post-processing", "session glue", "session creation")]
+    f"{g} {p}"
+    for g in ("fw", "bw")
+    for p in (
+        "FX rewrite",
+        "torch.export",
+        "fallback",
+        "ONNX translation",
+        "post-processing",
+        "session glue",
+        "session creation",
+    )
+]
 
 
 def capture_once(shape: tuple, steady: int, eager_loss: torch.Tensor) -> tuple[float, dict, str | None]:
@@ -261,10 +285,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--calls", type=int, help="Function calls of the exported model (default 50; 10 with --quick)")
-    parser.add_argument("--steady", type=int, default=5,
-                        help="steady steps after the capture (their median is subtracted)")
-    parser.add_argument("--quick", action="store_true",
-                        help="one repeat, 10 Function calls, the small CNN, no warm-up run (a smoke test)")
+    parser.add_argument(
+        "--steady", type=int, default=5, help="steady steps after the capture (their median is subtracted)"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="one repeat, 10 Function calls, the small CNN, no warm-up run (a smoke test)",
+    )
     parser.add_argument("--threads", type=int, help="torch's (and so ONNX Runtime's) thread count")
     args = parser.parse_args()
     if args.threads:
@@ -277,12 +305,20 @@ def main() -> int:
 
     warmups = 0 if args.quick else 1  # the process's first run of a case, not in the median
     for training in (False, True):
-        timed = repeated(lambda: export_once(calls, training), warmups, repeats,
-                         f"export of {calls} Function calls (training={training})")
+        timed = repeated(
+            lambda: export_once(calls, training),
+            warmups,
+            repeats,
+            f"export of {calls} Function calls (training={training})",
+        )
         if timed is None:
             return 1
-        report(f"ortbridge.export of {calls} Function calls, {'training' if training else 'inference'}, "
-               "+ InferenceSession", EXPORT_PHASES, *timed)
+        report(
+            f"ortbridge.export of {calls} Function calls, {'training' if training else 'inference'}, "
+            "+ InferenceSession",
+            EXPORT_PHASES,
+            *timed,
+        )
 
     torch.manual_seed(0)
     model, x, y, loss_fn, size = cnn_case(*shape)

@@ -68,27 +68,53 @@ def python_op(func: type, x: str, y: str, ctx: str, name: str, training: bool = 
     """A PythonOp node calling func.apply(x) on a rank-1 float32 tensor (func.forward, with no
     autograd, when not `safe`)."""
     return helper.make_node(
-        "PythonOp", [x], [ctx, y], domain="ortbridge", name=name, func_name=func._ortbridge_name,
-        input_convention="d", input_tensor_types=[TensorProto.FLOAT], input_tensor_ranks=[1],
-        input_requires_grads=[int(training)], output_tensor_types=[TensorProto.FLOAT], output_tensor_ranks=[1],
-        training_mode=int(training), safe_run_mode=int(safe))
+        "PythonOp",
+        [x],
+        [ctx, y],
+        domain="ortbridge",
+        name=name,
+        func_name=func._ortbridge_name,
+        input_convention="d",
+        input_tensor_types=[TensorProto.FLOAT],
+        input_tensor_ranks=[1],
+        input_requires_grads=[int(training)],
+        output_tensor_types=[TensorProto.FLOAT],
+        output_tensor_ranks=[1],
+        training_mode=int(training),
+        safe_run_mode=int(safe),
+    )
 
 
 def python_op_grad(func: type, ctx: str, g: str, gx: str, name: str):
     return helper.make_node(
-        "PythonOpGrad", [ctx, g], [gx], domain="ortbridge", name=name, func_name=func._ortbridge_name,
-        output_convention="d", input_tensor_types=[TensorProto.FLOAT], input_tensor_ranks=[1],
-        output_tensor_types=[TensorProto.FLOAT], output_tensor_ranks=[1], output_tensor_requires_grads=[1])
+        "PythonOpGrad",
+        [ctx, g],
+        [gx],
+        domain="ortbridge",
+        name=name,
+        func_name=func._ortbridge_name,
+        output_convention="d",
+        input_tensor_types=[TensorProto.FLOAT],
+        input_tensor_ranks=[1],
+        output_tensor_types=[TensorProto.FLOAT],
+        output_tensor_ranks=[1],
+        output_tensor_requires_grads=[1],
+    )
 
 
 def session(nodes: list, inputs: list, outputs: list, threads: int = 1, device: str = "cpu") -> ort.InferenceSession:
     """A sequential session with `threads` intra-op threads; inputs/outputs: (name, shape). With
     device "cuda" every node runs on the CUDA execution provider of device 0 (session creation
     fails rather than placing one on the CPU)."""
-    graph = helper.make_graph(nodes, "bench", [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
-                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in outputs])
-    return model_session(helper.make_model(graph, opset_imports=OPSETS, ir_version=8).SerializeToString(), threads,
-                         device)
+    graph = helper.make_graph(
+        nodes,
+        "bench",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in outputs],
+    )
+    return model_session(
+        helper.make_model(graph, opset_imports=OPSETS, ir_version=8).SerializeToString(), threads, device
+    )
 
 
 def model_session(model: bytes, threads: int = 1, device: str = "cpu") -> ort.InferenceSession:
@@ -100,10 +126,13 @@ def model_session(model: bytes, threads: int = 1, device: str = "cpu") -> ort.In
     if device == "cpu":
         return ortbridge.InferenceSession(model, so, providers=["CPUExecutionProvider"])
     so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-    sess = ortbridge.InferenceSession(model, so, providers=[("CUDAExecutionProvider", {"device_id": "0"}),
-                                                             "CPUExecutionProvider"])
+    sess = ortbridge.InferenceSession(
+        model, so, providers=[("CUDAExecutionProvider", {"device_id": "0"}), "CPUExecutionProvider"]
+    )
     if sess.get_providers()[0] != "CUDAExecutionProvider":
-        raise RuntimeError(f"ONNX Runtime did not start its CUDA execution provider (providers: {sess.get_providers()})")
+        raise RuntimeError(
+            f"ONNX Runtime did not start its CUDA execution provider (providers: {sess.get_providers()})"
+        )
     return sess
 
 
@@ -127,13 +156,17 @@ def require_device(device: str, script: str) -> None:
 def cuda_versions() -> str:
     """The GPU and the CUDA versions (for --device cuda)."""
     props = torch.cuda.get_device_properties(0)
-    return (f"GPU {props.name} ({props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor})  "
-            f"torch CUDA {torch.version.cuda}  onnxruntime {ort.get_device()} build")
+    return (
+        f"GPU {props.name} ({props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor})  "
+        f"torch CUDA {torch.version.cuda}  onnxruntime {ort.get_device()} build"
+    )
 
 
 def versions() -> str:
-    return (f"python {platform.python_version()}  torch {torch.__version__}  onnxruntime {ort.__version__}  "
-            f"onnx {onnx.__version__}  numpy {np.__version__}  cpus {os.cpu_count()}")
+    return (
+        f"python {platform.python_version()}  torch {torch.__version__}  onnxruntime {ort.__version__}  "
+        f"onnx {onnx.__version__}  numpy {np.__version__}  cpus {os.cpu_count()}"
+    )
 
 
 def loop_time(fn, n: int, sync=None) -> float:

@@ -43,11 +43,11 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from common import versions
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ortbridge
-from common import versions
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from distributed import Block  # noqa: E402 (the example's block: Linear, a Function, Linear, residual)
@@ -102,8 +102,10 @@ def _variants(engine: str) -> dict:
         whole = copy.deepcopy(base)
         variants["eager"] = (DDP(copy.deepcopy(base), bucket_cap_mb=1), None)
         variants["OrtModule"] = (DDP(ortbridge.OrtModule(whole), bucket_cap_mb=1), None)
-        variants["one piece"] = (DDP(ortbridge.OrtModule(copy.deepcopy(base), backward_stages=1), bucket_cap_mb=1),
-                                 None)
+        variants["one piece"] = (
+            DDP(ortbridge.OrtModule(copy.deepcopy(base), backward_stages=1), bucket_cap_mb=1),
+            None,
+        )
         per_block = torch.nn.Sequential(*(ortbridge.OrtModule(copy.deepcopy(b)) for b in base))
         variants["per block"] = (DDP(per_block, bucket_cap_mb=1), None)
         variants["compile"] = (DDP(copy.deepcopy(base), bucket_cap_mb=1), None)
@@ -113,8 +115,9 @@ def _variants(engine: str) -> dict:
         variants["compile"] = (torch.compile(ddp, backend="ortbridge"), timeline)
     else:
         for name, per_block in (("eager", False), ("per block", True)):
-            model = torch.nn.Sequential(*(ortbridge.OrtModule(copy.deepcopy(b)) if per_block else copy.deepcopy(b)
-                                          for b in base))
+            model = torch.nn.Sequential(
+                *(ortbridge.OrtModule(copy.deepcopy(b)) if per_block else copy.deepcopy(b) for b in base)
+            )
             for block in model:
                 fully_shard(block)
             variants[name] = (fully_shard(model), None)
@@ -178,8 +181,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     repeats, steps, warmup = (2, 2, 2) if args.quick else (args.repeats, args.steps, 5)
     print(versions())
-    print(f"2 processes, gloo, 1 torch thread each; {BLOCKS} blocks of width {WIDTH}, batch {BATCH}; "
-          f"{repeats} repeats of {steps} steps (median)")
+    print(
+        f"2 processes, gloo, 1 torch thread each; {BLOCKS} blocks of width {WIDTH}, batch {BATCH}; "
+        f"{repeats} repeats of {steps} steps (median)"
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

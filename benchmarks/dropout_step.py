@@ -24,17 +24,18 @@ import copy
 import sys
 
 import torch
+from common import medians, versions
 
 import ortbridge
-from common import medians, versions
 from ortbridge.core import fallback
 
 nn = torch.nn
 
 
 def mlp(width: int, p: float = 0.1) -> nn.Module:
-    return nn.Sequential(nn.Linear(width, 4 * width), nn.ReLU(), nn.Dropout(p), nn.Linear(4 * width, width),
-                         nn.Dropout(p))
+    return nn.Sequential(
+        nn.Linear(width, 4 * width), nn.ReLU(), nn.Dropout(p), nn.Linear(4 * width, width), nn.Dropout(p)
+    )
 
 
 def trainer(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
@@ -80,16 +81,26 @@ def main() -> int:
     for batch, width in sizes:
         torch.manual_seed(0)
         model, x, y = mlp(width), torch.randn(batch, width), torch.randn(batch, width)
-        steps = [trainer(m, x, y) for m in (copy.deepcopy(model), ortbridge.OrtModule(copy.deepcopy(model)),
-                                            ortbridge.OrtModule(copy.deepcopy(model)))]
+        steps = [
+            trainer(m, x, y)
+            for m in (
+                copy.deepcopy(model),
+                ortbridge.OrtModule(copy.deepcopy(model)),
+                ortbridge.OrtModule(copy.deepcopy(model)),
+            )
+        ]
         eager, onnx_rng, torch_rng = first_step(steps[0]), first_step(steps[1], True), first_step(steps[2])
         if not torch.allclose(torch_rng, eager, rtol=1e-5) or not torch.isfinite(onnx_rng):
-            print(f"{batch} x {width}: first losses {eager.item()} (eager), {onnx_rng.item()} (ORT's RNG), "
-                  f"{torch_rng.item()} (torch's RNG): torch's RNG should give eager's")
+            print(
+                f"{batch} x {width}: first losses {eager.item()} (eager), {onnx_rng.item()} (ORT's RNG), "
+                f"{torch_rng.item()} (torch's RNG): torch's RNG should give eager's"
+            )
             return 1
         eager, *wrapped = (t * 1e3 for t in medians(steps, repeats, target, warmup=3))
-        print(f"{f'{batch} x {width}':>14} {eager:9.3f}" + "".join(
-            f" {t:{w}.3f} {t / eager:6.2f}" for t, w in zip(wrapped, (11, 13))))
+        print(
+            f"{f'{batch} x {width}':>14} {eager:9.3f}"
+            + "".join(f" {t:{w}.3f} {t / eager:6.2f}" for t, w in zip(wrapped, (11, 13)))
+        )
     assert ortbridge.context_pool_size() == 0
     return 0
 

@@ -23,9 +23,9 @@ import copy
 import sys
 
 import torch
+from common import medians, versions
 
 import ortbridge
-from common import medians, versions
 from ortbridge.core import fallback
 
 aten = torch.ops.aten
@@ -79,8 +79,11 @@ def main() -> int:
             model = layer()
             x = torch.randn(*shape, requires_grad=True)
             weights = torch.randn_like(model(x))
-            copies = [copy.deepcopy(model), ortbridge.OrtModule(copy.deepcopy(model)),
-                      ortbridge.OrtModule(copy.deepcopy(model))]
+            copies = [
+                copy.deepcopy(model),
+                ortbridge.OrtModule(copy.deepcopy(model)),
+                ortbridge.OrtModule(copy.deepcopy(model)),
+            ]
             steps = [_step(m, x, weights) for m in copies]
             reference = steps[0]().clone()
             steps[1]()  # captured with the decomposition
@@ -96,15 +99,23 @@ def main() -> int:
             for s in steps[1:]:
                 torch.testing.assert_close(s(), reference, rtol=1e-4, atol=1e-5)
             eager, decomposed, pytorch = (t * 1e3 for t in medians(steps, repeats, target, warmup=3))
-            print(f"{str(op):>38} {'x'.join(map(str, shape)):>18} {eager:9.3f} {decomposed:11.3f} "
-                  f"{decomposed / eager:6.2f} {pytorch:9.3f} {pytorch / eager:6.2f}")
+            print(
+                f"{str(op):>38} {'x'.join(map(str, shape)):>18} {eager:9.3f} {decomposed:11.3f} "
+                f"{decomposed / eager:6.2f} {pytorch:9.3f} {pytorch / eager:6.2f}"
+            )
     return 0
 
 
 def _fallback_ops(wrapped) -> set[str]:
     sessions = [s for cs in wrapped._captures.values() for c in cs for s in c.sessions if s.model is not None]
-    return {a.s.decode() for s in sessions for n in s.model.graph.node if n.domain == "ortbridge"
-            for a in n.attribute if a.name == "func_name"}
+    return {
+        a.s.decode()
+        for s in sessions
+        for n in s.model.graph.node
+        if n.domain == "ortbridge"
+        for a in n.attribute
+        if a.name == "func_name"
+    }
 
 
 if __name__ == "__main__":

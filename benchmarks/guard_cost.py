@@ -15,11 +15,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
-import ortbridge
 from common import medians, versions
 from train_step import block_case, cnn_case, timm_cases, trainer
+
+import ortbridge
 
 
 def main() -> int:
@@ -43,11 +42,17 @@ def main() -> int:
         key, capture = wrapped.lookup((x,), 1, [x])
         assert capture is not None, f"{name}: the check finds no capture for the call it was made for"
         eager_step = trainer(model, x, y, loss_fn)
-        check, attributes, step = medians([lambda: wrapped.lookup((x,), 1, [x]), capture.constants.hold, eager_step],
-                                          args.repeats, args.target, warmup=3)
+        check, attributes, step = medians(
+            [lambda: wrapped.lookup((x,), 1, [x]), capture.constants.hold, eager_step],
+            args.repeats,
+            args.target,
+            warmup=3,
+        )
         modules = sum(1 for _ in model.modules())
-        print(f"{name:24} {modules:7d} {check * 1e6:9.2f} {attributes * 1e6:14.2f} {step * 1e3:14.2f} "
-              f"{check / step:10.3%}")
+        print(
+            f"{name:24} {modules:7d} {check * 1e6:9.2f} {attributes * 1e6:14.2f} {step * 1e3:14.2f} "
+            f"{check / step:10.3%}"
+        )
     return 0
 
 

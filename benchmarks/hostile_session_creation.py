@@ -81,8 +81,17 @@ print(json.dumps(dict(case=case, bytes=len(m), seconds=seconds,
                       mb=(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss) / 2**20, outcome=outcome)))
 """
 
-CASES = ["many_nodes", "long_tuple", "many_literals", "deep_literal", "huge_rank", "many_ranks", "nodes_of_max_dims",
-         "long_name", "plain_ort_dims"]
+CASES = [
+    "many_nodes",
+    "long_tuple",
+    "many_literals",
+    "deep_literal",
+    "huge_rank",
+    "many_ranks",
+    "nodes_of_max_dims",
+    "long_name",
+    "plain_ort_dims",
+]
 
 
 def main() -> int:

@@ -54,8 +54,8 @@ CONFIGS = {  # name: (ORT variant, eager variant)
 
 def child(config: str, variant: str, k: int, calls: int) -> None:
     """Runs in the child process under callgrind: warm up, then count `calls` calls."""
-    import torch
     import overhead
+    import torch
 
     if config in ("inference", "training"):
         ort_call, eager_call, check = overhead.make_calls(config, k)
@@ -85,12 +85,14 @@ def child(config: str, variant: str, k: int, calls: int) -> None:
 
 
 # Library groups, by the file name of the object the instructions ran in (first match).
-GROUPS = (("CPython", re.compile(r"libpython|/python3[.\d]*$|lib-dynload/")),
-          ("torch (C++)", re.compile(r"libtorch_cpu|libc10|libtorch\.so|libgomp|libiomp")),
-          ("torch's Python binding", re.compile(r"libtorch_python")),
-          ("ONNX Runtime", re.compile(r"onnxruntime")),
-          ("ortbridge", re.compile(r"ortbridge/_C")),
-          ("C/C++ runtime", re.compile(r"/libc\.so|libstdc\+\+|ld-linux|libm\.so|libgcc_s")))
+GROUPS = (
+    ("CPython", re.compile(r"libpython|/python3[.\d]*$|lib-dynload/")),
+    ("torch (C++)", re.compile(r"libtorch_cpu|libc10|libtorch\.so|libgomp|libiomp")),
+    ("torch's Python binding", re.compile(r"libtorch_python")),
+    ("ONNX Runtime", re.compile(r"onnxruntime")),
+    ("ortbridge", re.compile(r"ortbridge/_C")),
+    ("C/C++ runtime", re.compile(r"/libc\.so|libstdc\+\+|ld-linux|libm\.so|libgcc_s")),
+)
 OTHER = "other"
 
 
@@ -134,9 +136,24 @@ def count(config: str, variant: str, k: int, calls: int) -> tuple[int, collectio
     group (these sum to the dump's totals, which exceed the summary by a few tenths of a %)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "callgrind.out")
-        subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
-                        sys.executable, __file__, "--child", config, variant, str(k), str(calls)],
-                       check=True, capture_output=True, text=True)
+        subprocess.run(
+            [
+                "valgrind",
+                "--tool=callgrind",
+                "--instr-atstart=no",
+                f"--callgrind-out-file={out}",
+                sys.executable,
+                __file__,
+                "--child",
+                config,
+                variant,
+                str(k),
+                str(calls),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         dumps = [f for f in os.listdir(tmp) if f.startswith("callgrind.out.")]  # (the --dump's, not the exit's)
         with open(os.path.join(tmp, dumps[0])) as f:
             header, by_group = _read_dump(f)
@@ -162,10 +179,14 @@ def main() -> int:
         return 2
     configs = ["inference"] if args.quick else [c.strip() for c in args.configs.split(",") if c.strip()]
     calls = 2 if args.quick else args.calls
-    print(f"instructions (Ir) per call, callgrind, {calls} counted calls per configuration; "
-          "per op = (Ir(K=64) - Ir(K=1)) / 63")
-    print(f"{'config':11s} {'ORT Ir/op':>10s} {'eager Ir/op':>12s} {'ratio':>6s} "
-          f"{'ORT Ir/call K=1':>16s} {'eager Ir/call K=1':>18s}")
+    print(
+        f"instructions (Ir) per call, callgrind, {calls} counted calls per configuration; "
+        "per op = (Ir(K=64) - Ir(K=1)) / 63"
+    )
+    print(
+        f"{'config':11s} {'ORT Ir/op':>10s} {'eager Ir/op':>12s} {'ratio':>6s} "
+        f"{'ORT Ir/call K=1':>16s} {'eager Ir/call K=1':>18s}"
+    )
     breakdowns = []
     for config in configs:
         per_op, at_one, op_groups, one_groups = [], [], [], []  # per variant
@@ -173,20 +194,28 @@ def main() -> int:
             ir, groups = zip(*(count(config, variant, k, calls) for k in KS))
             per_op.append((ir[1] - ir[0]) / (KS[1] - KS[0]) / calls)
             at_one.append(ir[0] / calls)  # (a whole step at K=1: for train/eval, the step's fixed cost and one call)
-            op_groups.append({g: (groups[1][g] - groups[0][g]) / (KS[1] - KS[0]) / calls for g in groups[1] | groups[0]})
+            op_groups.append(
+                {g: (groups[1][g] - groups[0][g]) / (KS[1] - KS[0]) / calls for g in groups[1] | groups[0]}
+            )
             one_groups.append({g: n / calls for g, n in groups[0].items()})
-        print(f"{config:11s} {per_op[0]:10.0f} {per_op[1]:12.0f} {per_op[0] / per_op[1]:6.2f} "
-              f"{at_one[0]:16.0f} {at_one[1]:18.0f}")
+        print(
+            f"{config:11s} {per_op[0]:10.0f} {per_op[1]:12.0f} {per_op[0] / per_op[1]:6.2f} "
+            f"{at_one[0]:16.0f} {at_one[1]:18.0f}"
+        )
         breakdowns.append((config, op_groups, one_groups))
     if args.by_library:
         print("\nby library (instructions a library ran itself; per op, and a whole call at K=1)")
-        print(f"{'config':11s} {'library':24s} {'ORT Ir/op':>10s} {'eager Ir/op':>12s} "
-              f"{'ORT Ir/call K=1':>16s} {'eager Ir/call K=1':>18s} {'K=1 over eager':>15s}")
+        print(
+            f"{'config':11s} {'library':24s} {'ORT Ir/op':>10s} {'eager Ir/op':>12s} "
+            f"{'ORT Ir/call K=1':>16s} {'eager Ir/call K=1':>18s} {'K=1 over eager':>15s}"
+        )
         for config, per_op, at_one in breakdowns:
             for group in [name for name, _ in GROUPS] + [OTHER]:
                 op, one = [g.get(group, 0) for g in per_op], [g.get(group, 0) for g in at_one]
-                print(f"{config:11s} {group:24s} {op[0]:10.0f} {op[1]:12.0f} {one[0]:16.0f} {one[1]:18.0f} "
-                      f"{one[0] - one[1]:15.0f}")
+                print(
+                    f"{config:11s} {group:24s} {op[0]:10.0f} {op[1]:12.0f} {one[0]:16.0f} {one[1]:18.0f} "
+                    f"{one[0] - one[1]:15.0f}"
+                )
     return 0
 
 

@@ -21,10 +21,10 @@ import sys
 
 import torch
 import torch.nn.functional as F
-
-import ortbridge
 from common import medians, versions
 from train_step import trainer
+
+import ortbridge
 
 nn = torch.nn
 
@@ -34,9 +34,16 @@ def mlp():
 
 
 def cnn():
-    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                         nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                         nn.Linear(32, 10))
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, 10),
+    )
 
 
 def main() -> int:
@@ -64,8 +71,10 @@ def main() -> int:
             return 1
         eager, onnx_module = (t * 1e3 for t in medians(steps, repeats, target, warmup=3))
         size = " x ".join(map(str, shape))
-        print(f"{name:>5} {size:>16} {eager:9.3f} {onnx_module:14.3f} {onnx_module / eager:6.2f}  "
-              f"{module.forward_backward.gradient_builder}")
+        print(
+            f"{name:>5} {size:>16} {eager:9.3f} {onnx_module:14.3f} {onnx_module / eager:6.2f}  "
+            f"{module.forward_backward.gradient_builder}"
+        )
     assert ortbridge.context_pool_size() == 0
     return 0
 

@@ -94,12 +94,22 @@ import sys
 
 import numpy as np
 import torch
+from common import (
+    Clone,
+    SavesInput,
+    cuda_versions,
+    medians,
+    model_session,
+    python_op,
+    python_op_grad,
+    require_device,
+    session,
+    versions,
+)
 from onnx import helper
 
 import ortbridge
 from ortbridge import _runner
-from common import (Clone, SavesInput, cuda_versions, medians, model_session, python_op, python_op_grad, require_device,
-                    session, versions)
 
 NUMEL = 16
 KS = (1, 16, 64)
@@ -154,7 +164,9 @@ def make_custom_op_calls(k: int):
     x = torch.from_numpy(x_np.copy())
     proto = ortbridge.export(_CustomOpChain(k), (x,))
     ops = [n for n in proto.graph.node if n.domain == "ortbridge"]
-    assert len(ops) == k == len(proto.graph.node), f"{len(proto.graph.node)} nodes, {len(ops)} ortbridge nodes for K={k}"
+    assert len(ops) == k == len(proto.graph.node), (
+        f"{len(proto.graph.node)} nodes, {len(ops)} ortbridge nodes for K={k}"
+    )
     sess = model_session(proto.SerializeToString())
     feeds, op, no_grad = {sess.get_inputs()[0].name: x_np}, torch.ops.ortbridge_bench.clone, torch.no_grad
 
@@ -305,8 +317,9 @@ def print_inference_parts(repeats: int, target: float, warmup: int) -> None:
 
     def neg_chain(k: int):
         names = ["x"] + [f"n{i}" for i in range(k - 1)] + ["y"]
-        sess = session([helper.make_node("Neg", [a], [b]) for a, b in zip(names, names[1:])], [("x", [NUMEL])],
-                       [("y", None)])
+        sess = session(
+            [helper.make_node("Neg", [a], [b]) for a, b in zip(names, names[1:])], [("x", [NUMEL])], [("y", None)]
+        )
         return lambda: sess.run(["y"], feeds)
 
     lo, hi = KS[0], KS[-1]
@@ -314,13 +327,24 @@ def print_inference_parts(repeats: int, target: float, warmup: int) -> None:
     apply, from_dlpack, to_dlpack = Clone.apply, _runner._from_dlpack, _runner._to_dlpack
     with torch.no_grad():
         t_lo, t_hi, t_dlpack, t_direct, t_apply = medians(
-            [neg_chain(lo), neg_chain(hi), lambda: to_dlpack(from_dlpack(to_dlpack(x))), lambda: direct(x),
-             lambda: apply(x)], repeats, target, warmup)
+            [
+                neg_chain(lo),
+                neg_chain(hi),
+                lambda: to_dlpack(from_dlpack(to_dlpack(x))),
+                lambda: direct(x),
+                lambda: apply(x),
+            ],
+            repeats,
+            target,
+            warmup,
+        )
     dispatch = (t_hi - t_lo) / (hi - lo)
     floor = dispatch + t_dlpack + t_direct
-    print(f"an inference op's parts: ORT's dispatch of a native node {dispatch * 1e6:.2f} us (Neg chain), DLPack "
-          f"in and out {t_dlpack * 1e6:.2f}, the Function as the kernel calls it {t_direct * 1e6:.2f}; sum "
-          f"{floor * 1e6:.2f} us = {floor / t_apply:.2f} x one eager Function.apply ({t_apply * 1e6:.2f} us)")
+    print(
+        f"an inference op's parts: ORT's dispatch of a native node {dispatch * 1e6:.2f} us (Neg chain), DLPack "
+        f"in and out {t_dlpack * 1e6:.2f}, the Function as the kernel calls it {t_direct * 1e6:.2f}; sum "
+        f"{floor * 1e6:.2f} us = {floor / t_apply:.2f} x one eager Function.apply ({t_apply * 1e6:.2f} us)"
+    )
 
 
 FUNCTIONS = {"clone": Clone, "saves": SavesInput}  # --function
@@ -344,6 +368,7 @@ class Chain(torch.nn.Module):
 def module_step(model, x: torch.Tensor, train: bool):
     """One step of `model` on x: (y, x.grad) after forward and backward, or y under no_grad."""
     if train:
+
         def step():
             x.grad = None
             y = model(x)
@@ -355,6 +380,7 @@ def module_step(model, x: torch.Tensor, train: bool):
         def step():
             with no_grad():
                 return model(x), None
+
     return step
 
 
@@ -382,8 +408,10 @@ def make_module_steps(train: bool, k: int, compiled: bool, func: type = Clone):
             if not torch.equal(y.detach(), y_eager.detach()):
                 return f"{kind} K={k}: {name} output {y.tolist()} differs from eager's {y_eager.tolist()}"
             if train and (gx is None or not torch.equal(gx, gx_eager)):
-                return (f"{kind} K={k}: {name} input gradient {None if gx is None else gx.tolist()} differs from "
-                        f"eager's {gx_eager.tolist()}")
+                return (
+                    f"{kind} K={k}: {name} input gradient {None if gx is None else gx.tolist()} differs from "
+                    f"eager's {gx_eager.tolist()}"
+                )
             del y, gx
             gc.collect()
             if ortbridge.context_pool_size() != 0:
@@ -396,10 +424,14 @@ def make_module_steps(train: bool, k: int, compiled: bool, func: type = Clone):
 def run_ortmodule(ks: tuple, repeats: int, target: float, warmup: int, compiled: bool, func: type = Clone) -> int:
     """The module benchmark (--modes ortmodule): prints its tables; 1 when a check fails."""
     variants = ["eager", "OrtModule"] + (["compile"] if compiled else [])
-    print(f"ortmodule: a module calling {func.__name__}.apply K times; step = train (forward, y.sum().backward()) "
-          "or eval (no_grad forward)")
-    print("OrtModule with its default options (ORT intra-op threads: one, as every tensor is small)"
-          + ("; compile = torch.compile(backend=\"ortbridge\"), which inlines the Function" if compiled else ""))
+    print(
+        f"ortmodule: a module calling {func.__name__}.apply K times; step = train (forward, y.sum().backward()) "
+        "or eval (no_grad forward)"
+    )
+    print(
+        "OrtModule with its default options (ORT intra-op threads: one, as every tensor is small)"
+        + ('; compile = torch.compile(backend="ortbridge"), which inlines the Function' if compiled else "")
+    )
     header = f"{'step':<6} {'K':>3} {'eager us/step':>14} {'OrtModule us/step':>18} {'ratio':>7}"
     if compiled:
         header += f" {'compile us/step':>16} {'ratio':>7}"
@@ -422,24 +454,32 @@ def run_ortmodule(ks: tuple, repeats: int, target: float, warmup: int, compiled:
             del steps, check
     lo, hi = ks[0], ks[-1]
     print()
-    print(f"per Function call = (t(K={hi}) - t(K={lo})) / {hi - lo}; goal: OrtModule / eager <= {PER_CALL_GOAL:g} "
-          f"(stretch {PER_CALL_STRETCH:g})" + ("; compile: per inlined clone, not a Function call" if compiled else ""))
-    header = (f"{'step':<6} {'eager us/call':>14} {'OrtModule us/call':>18} {'ratio':>7} "
-              f"{f'goal <={PER_CALL_GOAL:g}':>11} {f'stretch <={PER_CALL_STRETCH:g}':>12}")
+    print(
+        f"per Function call = (t(K={hi}) - t(K={lo})) / {hi - lo}; goal: OrtModule / eager <= {PER_CALL_GOAL:g} "
+        f"(stretch {PER_CALL_STRETCH:g})" + ("; compile: per inlined clone, not a Function call" if compiled else "")
+    )
+    header = (
+        f"{'step':<6} {'eager us/call':>14} {'OrtModule us/call':>18} {'ratio':>7} "
+        f"{f'goal <={PER_CALL_GOAL:g}':>11} {f'stretch <={PER_CALL_STRETCH:g}':>12}"
+    )
     if compiled:
         header += f" {'compile us/clone':>17} {'ratio':>7}"
     print(header)
     for kind in ("train", "eval"):
         slope = {v: (results[(kind, hi)][v] - results[(kind, lo)][v]) / (hi - lo) for v in variants}
         ratio = slope["OrtModule"] / slope["eager"]
-        line = (f"{kind:<6} {slope['eager'] * 1e6:>14.2f} {slope['OrtModule'] * 1e6:>18.2f} {ratio:>7.2f} "
-                f"{_verdict(ratio <= PER_CALL_GOAL):>11} {_verdict(ratio <= PER_CALL_STRETCH):>12}")
+        line = (
+            f"{kind:<6} {slope['eager'] * 1e6:>14.2f} {slope['OrtModule'] * 1e6:>18.2f} {ratio:>7.2f} "
+            f"{_verdict(ratio <= PER_CALL_GOAL):>11} {_verdict(ratio <= PER_CALL_STRETCH):>12}"
+        )
         if compiled:
             line += f" {slope['compile'] * 1e6:>17.2f} {slope['compile'] / slope['eager']:>7.2f}"
         print(line)
     print()
-    print(f"fixed cost of a step over eager at K={lo} = t(K={lo}) - t_eager(K={lo}); goal: OrtModule <= "
-          f"{FIXED_GOAL_US:g} us")
+    print(
+        f"fixed cost of a step over eager at K={lo} = t(K={lo}) - t_eager(K={lo}); goal: OrtModule <= "
+        f"{FIXED_GOAL_US:g} us"
+    )
     header = f"{'step':<6} {'eager us/step':>14} {'OrtModule us':>13} {f'goal <={FIXED_GOAL_US:g} us':>14}"
     if compiled:
         header += f" {'compile us':>11}"
@@ -459,22 +499,40 @@ def _verdict(met: bool) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--repeats", type=int, default=7, help="timed repeats per measurement (median reported)")
     p.add_argument("--target", type=float, default=0.25, help="seconds per repeat (sets N)")
     p.add_argument("--quick", action="store_true", help="smoke run: 3 repeats of ~0.03 s")
-    p.add_argument("--modes", default=None,
-                   help="comma-separated subset of inference,forward,training,custom_op,ortmodule (default: all of "
-                        "them; with --device cuda, the first three)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cpu (default) or cuda: the nodes on ORT's CUDA execution provider, eager on the GPU")
-    p.add_argument("--ortmodule-ks", default=",".join(map(str, ORTMODULE_KS)),
-                   help="comma-separated chain lengths K of the ortmodule mode (per call: from the smallest and "
-                        "the largest)")
-    p.add_argument("--function", choices=FUNCTIONS, default="clone",
-                   help="the ortmodule mode's Function: clone (default) or saves (saves its input for backward)")
-    p.add_argument("--no-compile", action="store_true",
-                   help="ortmodule mode without the torch.compile(backend=\"ortbridge\") variant")
+    p.add_argument(
+        "--modes",
+        default=None,
+        help="comma-separated subset of inference,forward,training,custom_op,ortmodule (default: all of "
+        "them; with --device cuda, the first three)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu (default) or cuda: the nodes on ORT's CUDA execution provider, eager on the GPU",
+    )
+    p.add_argument(
+        "--ortmodule-ks",
+        default=",".join(map(str, ORTMODULE_KS)),
+        help="comma-separated chain lengths K of the ortmodule mode (per call: from the smallest and the largest)",
+    )
+    p.add_argument(
+        "--function",
+        choices=FUNCTIONS,
+        default="clone",
+        help="the ortmodule mode's Function: clone (default) or saves (saves its input for backward)",
+    )
+    p.add_argument(
+        "--no-compile",
+        action="store_true",
+        help='ortmodule mode without the torch.compile(backend="ortbridge") variant',
+    )
     args = p.parse_args(argv)
     repeats, target, warmup = args.repeats, args.target, 20
     if args.quick:
@@ -502,10 +560,15 @@ def main(argv=None) -> int:
     print(versions())
     if on_cuda:
         print(cuda_versions())
-        print("device cuda: ORT's CUDA execution provider through IOBinding; each call (ORT run, eager chain) "
-              "ends with its stream synchronized")
-    print(f"torch threads {torch.get_num_threads()}  " + ("ORT intra/inter threads 1/1  " if graph_modes else "") +
-          f"tensor {NUMEL} x float32  repeats {repeats}  ~{target:g} s/repeat  (times: median, microseconds)")
+        print(
+            "device cuda: ORT's CUDA execution provider through IOBinding; each call (ORT run, eager chain) "
+            "ends with its stream synchronized"
+        )
+    print(
+        f"torch threads {torch.get_num_threads()}  "
+        + ("ORT intra/inter threads 1/1  " if graph_modes else "")
+        + f"tensor {NUMEL} x float32  repeats {repeats}  ~{target:g} s/repeat  (times: median, microseconds)"
+    )
     if graph_modes:
         print()
         print(f"{'mode':<10} {'K':>3} {'ORT us/call':>12} {'eager us/call':>14} {'ratio':>7}")
@@ -516,8 +579,9 @@ def main(argv=None) -> int:
                 check()
                 t_ort, t_eager = medians([ort_call, eager_call], repeats, target, warmup, sync)
                 results[(mode, k)] = (t_ort, t_eager)
-                print(f"{mode:<10} {k:>3} {t_ort * 1e6:>12.1f} {t_eager * 1e6:>14.1f} {t_ort / t_eager:>7.2f}",
-                      flush=True)
+                print(
+                    f"{mode:<10} {k:>3} {t_ort * 1e6:>12.1f} {t_eager * 1e6:>14.1f} {t_ort / t_eager:>7.2f}", flush=True
+                )
                 del ort_call, eager_call, check
         print()
         lo, hi = KS[0], KS[-1]

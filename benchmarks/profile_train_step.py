@@ -46,11 +46,11 @@ import time
 
 import onnxruntime as ort
 import torch
+from common import versions
+from train_step import block_case, cnn_case, timm_cases
 
 import ortbridge
 from ortbridge.training.graph import default_session_options
-from common import versions
-from train_step import block_case, cnn_case, timm_cases
 
 PHASES = ("forward", "backward", "optimizer", "step")
 
@@ -92,8 +92,10 @@ def run_steps(steps: dict, warmup: int, count: int) -> dict:
     for _ in range(count):
         for name, step in steps.items():
             times[name].append(step())
-    return {name: {k: (statistics.median(t[k] for t in ts) * 1e3, statistics.mean(t[k] for t in ts) * 1e3)
-                   for k in PHASES} for name, ts in times.items()}
+    return {
+        name: {k: (statistics.median(t[k] for t in ts) * 1e3, statistics.mean(t[k] for t in ts) * 1e3) for k in PHASES}
+        for name, ts in times.items()
+    }
 
 
 def node_labels(graph_session) -> dict:
@@ -113,21 +115,29 @@ def read_events(graph_session) -> list:
 def summarize(events: list, labels: dict, runs: slice) -> dict:
     """Per-run means (ms) over the model_run events `runs` (in time order): kernel time by label,
     calls per run by label, all kernels, the whole run."""
-    model_runs = sorted((e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"),
-                        key=lambda e: e["ts"])[runs]
+    model_runs = sorted(
+        (e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"), key=lambda e: e["ts"]
+    )[runs]
     spans = [(r["ts"], r["ts"] + r["dur"]) for r in model_runs]
     n = len(spans)
     by_label: dict = collections.defaultdict(float)
     calls: dict = collections.defaultdict(int)
     for e in events:
-        if (e.get("cat") == "Node" and e["name"].endswith("_kernel_time")
-                and any(start <= e["ts"] <= end for start, end in spans)):
+        if (
+            e.get("cat") == "Node"
+            and e["name"].endswith("_kernel_time")
+            and any(start <= e["ts"] <= end for start, end in spans)
+        ):
             node = e["name"][: -len("_kernel_time")]
             label = labels.get(node, e.get("args", {}).get("op_name", node))
             by_label[label] += e["dur"] / 1e3 / n
             calls[label] += 1
-    return {"by_label": dict(by_label), "calls": {k: v // n for k, v in calls.items()},
-            "kernels": sum(by_label.values()), "run": sum(r["dur"] for r in model_runs) / 1e3 / n}
+    return {
+        "by_label": dict(by_label),
+        "calls": {k: v // n for k, v in calls.items()},
+        "kernels": sum(by_label.values()),
+        "run": sum(r["dur"] for r in model_runs) / 1e3 / n,
+    }
 
 
 def torch_profile(step, steps: int):
@@ -139,8 +149,9 @@ def torch_profile(step, steps: int):
 
 # Fallback nodes that run their operator through another (operators._INTO_OUTPUTS, writing into
 # ONNX Runtime's buffers), and what eager runs for it: (record inside the node, record in eager).
-SAME_KERNEL = {"aten::_native_batch_norm_legit_functional.default": ("aten::_native_batch_norm_legit",
-                                                                      "aten::native_batch_norm")}
+SAME_KERNEL = {
+    "aten::_native_batch_norm_legit_functional.default": ("aten::_native_batch_norm_legit", "aten::native_batch_norm")
+}
 
 
 def total_ms(averages, key: str) -> float | None:
@@ -155,11 +166,15 @@ def fmt(ms: float | None, width: int) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=("cnn", "block", "vit"), default="cnn")
-    parser.add_argument("--size", help="the model's sizes: CNN batch,side (16,64); Block batch,seq,width (16,64,128); "
-                        "vit batch (8)")
+    parser.add_argument(
+        "--size", help="the model's sizes: CNN batch,side (16,64); Block batch,seq,width (16,64,128); vit batch (8)"
+    )
     parser.add_argument("--threads", type=int, help="torch's (and so ONNX Runtime's) thread count")
-    parser.add_argument("--spinning", action="store_true",
-                        help="the profiled copy's threads spin during its runs, torch on one thread inside them")
+    parser.add_argument(
+        "--spinning",
+        action="store_true",
+        help="the profiled copy's threads spin during its runs, torch on one thread inside them",
+    )
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--torch-steps", type=int, default=10)
@@ -174,15 +189,20 @@ def main() -> int:
         case, default = (cnn_case, "16,64") if args.model == "cnn" else (block_case, "16,64,128")
     torch.manual_seed(0)
     model, x, y, loss_fn, size = case(*map(int, (args.size or default).split(",")))
-    print(f"torch threads {torch.get_num_threads()}; {args.model} {size}; "
-          f"{args.steps} steps after {args.warmup} warm-up steps\n")
+    print(
+        f"torch threads {torch.get_num_threads()}; {args.model} {size}; "
+        f"{args.steps} steps after {args.warmup} warm-up steps\n"
+    )
     folder = tempfile.mkdtemp(prefix="ortbridge_profile_")
     try:
-        profiled_module = ortbridge.OrtModule(copy.deepcopy(model), session_options=profiling_options(
-            os.path.join(folder, args.model), args.spinning))
-        steps = {"eager": phased_trainer(copy.deepcopy(model), x, y, loss_fn),
-                 "OrtModule": phased_trainer(ortbridge.OrtModule(copy.deepcopy(model)), x, y, loss_fn),
-                 "OrtModule, ORT profiler": phased_trainer(profiled_module, x, y, loss_fn)}
+        profiled_module = ortbridge.OrtModule(
+            copy.deepcopy(model), session_options=profiling_options(os.path.join(folder, args.model), args.spinning)
+        )
+        steps = {
+            "eager": phased_trainer(copy.deepcopy(model), x, y, loss_fn),
+            "OrtModule": phased_trainer(ortbridge.OrtModule(copy.deepcopy(model)), x, y, loss_fn),
+            "OrtModule, ORT profiler": phased_trainer(profiled_module, x, y, loss_fn),
+        }
         first = {name: step()["loss"] for name, step in steps.items()}  # captures the graphs
         sessions = [c for cs in profiled_module._captures.values() for c in cs][0].sessions
         for s in sessions:  # (as the trial's spinning session: torch on one thread inside its runs)
@@ -198,8 +218,10 @@ def main() -> int:
         for kind, s in zip(("forward", "backward"), sessions):
             if s.session is not None:
                 events, labels, t = read_events(s), node_labels(s), args.torch_steps
-                profiles[kind] = (summarize(events, labels, slice(-t - args.steps, -t)),
-                                  summarize(events, labels, slice(-t, None)))
+                profiles[kind] = (
+                    summarize(events, labels, slice(-t - args.steps, -t)),
+                    summarize(events, labels, slice(-t, None)),
+                )
 
         print("1. Phase wall times, median ms per step")
         print(f"{'':>24} {'forward':>8} {'backward':>9} {'optimizer':>10} {'step':>8}")
@@ -209,9 +231,11 @@ def main() -> int:
         print("\n2. ONNX Runtime's profile, mean ms per step")
         for kind, (prof, _) in profiles.items():
             wall = phases["OrtModule, ORT profiler"][kind][1]
-            print(f"{kind}: session run {prof['run']:.2f}, its kernels {prof['kernels']:.2f}, executor outside "
-                  f"kernels {prof['run'] - prof['kernels']:.2f}; {kind} phase wall {wall:.2f}, outside the "
-                  f"session {wall - prof['run']:.2f}")
+            print(
+                f"{kind}: session run {prof['run']:.2f}, its kernels {prof['kernels']:.2f}, executor outside "
+                f"kernels {prof['run'] - prof['kernels']:.2f}; {kind} phase wall {wall:.2f}, outside the "
+                f"session {wall - prof['run']:.2f}"
+            )
             print(f"  {'op':<48} {'calls':>5} {'ms':>8} {'share':>6}")
             for label, ms in sorted(prof["by_label"].items(), key=lambda kv: -kv[1])[: args.top]:
                 print(f"  {label:<48} {prof['calls'][label]:5d} {ms:8.3f} {ms / prof['kernels']:6.1%}")
@@ -219,7 +243,7 @@ def main() -> int:
         t = args.torch_steps
         print(f"\n3. PythonOp / PythonOpGrad nodes against eager torch, ms per step over {t} steps")
         print(f"  {'node':<46} {'calls':>5} {'ORT node':>9} {'torch inside':>13} {'eager torch':>12}")
-        for kind, (_, prof) in profiles.items():
+        for _, prof in profiles.values():
             for label, ms in sorted(prof["by_label"].items(), key=lambda kv: -kv[1]):
                 op_type, _, func = label.partition(" ")
                 if not func:
@@ -231,8 +255,10 @@ def main() -> int:
                     inside, eager = (name, name) if op_type == "PythonOp" else (None, f"{name}Backward")
                 inside_ms = total_ms(ort_avg, inside) if inside else None
                 eager_ms = total_ms(eager_avg, eager)
-                print(f"  {label:<46} {prof['calls'][label]:5d} {ms:9.3f} "
-                      f"{fmt(inside_ms and inside_ms / t, 13)} {fmt(eager_ms and eager_ms / t, 12)}")
+                print(
+                    f"  {label:<46} {prof['calls'][label]:5d} {ms:9.3f} "
+                    f"{fmt(inside_ms and inside_ms / t, 13)} {fmt(eager_ms and eager_ms / t, 12)}"
+                )
 
         for name, averages in (("eager", eager_avg), ("OrtModule (ORT profiler on)", ort_avg)):
             print(f"\n4. torch.profiler, {name}, totals over {t} steps")

@@ -186,8 +186,9 @@ def graph_bytes() -> int:
     return sum(o.model.ByteSize() for o in gc.get_objects() if type(o) is graph.GraphSession and o.model is not None)
 
 
-def child(model_name: str, shape: tuple, variant: str, steps: int, warmup: int, threads: int | None,
-          no_trim: bool) -> dict:
+def child(
+    model_name: str, shape: tuple, variant: str, steps: int, warmup: int, threads: int | None, no_trim: bool
+) -> dict:
     """One variant of one case in this (fresh) process: the figures, in bytes."""
     import onnxruntime  # noqa: F401
     import torch
@@ -205,8 +206,13 @@ def child(model_name: str, shape: tuple, variant: str, steps: int, warmup: int, 
         training = rss()
         import train_step  # noqa: F401
 
-        return {"imports": imports, "imports_anon": imports_split[0], "optimizer": optimizer - imports,
-                "training": training - optimizer, "train_step": rss() - training}
+        return {
+            "imports": imports,
+            "imports_anon": imports_split[0],
+            "optimizer": optimizer - imports,
+            "training": training - optimizer,
+            "train_step": rss() - training,
+        }
     from train_step import block_case, cnn_case, trainer
 
     torch.manual_seed(0)
@@ -246,21 +252,42 @@ def child(model_name: str, shape: tuple, variant: str, steps: int, warmup: int, 
     if variant.startswith("compile"):
         torch._dynamo.reset()
     trim()
-    return {"loss": loss, "imports": imports, "warm": warm, "peak": peak, "grow": end - first, "saved": saved,
-            "graphs": graphs, "state": state, "batch": x.nbytes + y.nbytes, "hwm": "sampled" if sampler else "VmHWM",
-            "kept": rss() - imports, "modules": len(sys.modules) - modules,
-            "anon": warm_split[0] - imports_split[0], "file": warm_split[1] - imports_split[1]}
+    return {
+        "loss": loss,
+        "imports": imports,
+        "warm": warm,
+        "peak": peak,
+        "grow": end - first,
+        "saved": saved,
+        "graphs": graphs,
+        "state": state,
+        "batch": x.nbytes + y.nbytes,
+        "hwm": "sampled" if sampler else "VmHWM",
+        "kept": rss() - imports,
+        "modules": len(sys.modules) - modules,
+        "anon": warm_split[0] - imports_split[0],
+        "file": warm_split[1] - imports_split[1],
+    }
 
 
 def run_child(script: str, name: str, shape: tuple, variant: str, args) -> dict:
-    cmd = [sys.executable, script, "--child", name, ",".join(map(str, shape)), variant,
-           "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    cmd = [
+        sys.executable,
+        script,
+        "--child",
+        name,
+        ",".join(map(str, shape)),
+        variant,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+    ]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     if args.no_trim:
         cmd.append("--no-trim")
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
-                         cwd=os.path.dirname(script) or ".")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=os.path.dirname(script) or ".")
     if out.returncode != 0:
         raise RuntimeError(f"{name} {shape} {variant}: child exited with {out.returncode}:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -274,20 +301,33 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=12, help="steps after the first (capture) step, before measuring")
     parser.add_argument("--threads", type=int, help="torch's (and so ONNX Runtime's) thread count")
     parser.add_argument("--models", default=",".join(CASES), help="comma-separated, from " + ", ".join(CASES))
-    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                        help="comma-separated, eager first, from " + ", ".join(VARIANTS))
+    parser.add_argument(
+        "--variants",
+        default=",".join(DEFAULT_VARIANTS),
+        help="comma-separated, eager first, from " + ", ".join(VARIANTS),
+    )
     parser.add_argument("--no-trim", action="store_true", help="no malloc_trim before the measured steps")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per child process")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         name, shape, variant = args.child
-        print(json.dumps(child(name, tuple(int(s) for s in shape.split(",") if s), variant, args.steps,
-                               max(1, args.warmup), args.threads, args.no_trim)))
+        print(
+            json.dumps(
+                child(
+                    name,
+                    tuple(int(s) for s in shape.split(",") if s),
+                    variant,
+                    args.steps,
+                    max(1, args.warmup),
+                    args.threads,
+                    args.no_trim,
+                )
+            )
+        )
         return 0
 
     import torch
-
     from common import versions
 
     variants = args.variants.split(",")
@@ -297,33 +337,48 @@ def main() -> int:
     size = "small" if args.quick else args.size
     if any(m not in CASES for m in args.models.split(",")) or args.steps < 2:
         parser.error(f"--models: from {', '.join(CASES)}; --steps: at least 2")
-    cases = [(name, shape) for name in args.models.split(",")
-             for shape in CASES[name][{"small": slice(1), "large": slice(1, None), "all": slice(None)}[size]]]
+    cases = [
+        (name, shape)
+        for name in args.models.split(",")
+        for shape in CASES[name][{"small": slice(1), "large": slice(1, None), "all": slice(None)}[size]]
+    ]
     print(versions())
-    print(f"torch threads {args.threads or torch.get_num_threads()}; one process per row; first step + "
-          f"{args.warmup} warm-up steps, then {args.steps} measured; "
-          f"{'no malloc_trim' if args.no_trim else 'malloc_trim before measuring'}")
+    print(
+        f"torch threads {args.threads or torch.get_num_threads()}; one process per row; first step + "
+        f"{args.warmup} warm-up steps, then {args.steps} measured; "
+        f"{'no malloc_trim' if args.no_trim else 'malloc_trim before measuring'}"
+    )
     fixed = run_child(script, "-", (), "imports", args)
     rows = [(name, shape, [run_child(script, name, shape, v, args) for v in variants]) for name, shape in cases]
-    print(f"imports only (torch + onnxruntime + ortbridge): RSS {fixed['imports'] / MiB:.0f} MiB "
-          f"({fixed['imports_anon'] / MiB:.0f} anonymous); then, in MiB:")
-    print(f"  + a first torch.optim optimizer (imports torch._dynamo) {fixed['optimizer'] / MiB:.0f}, + import "
-          f"ortbridge.training {fixed['training'] / MiB:.0f}, + import train_step {fixed['train_step'] / MiB:.0f}")
+    print(
+        f"imports only (torch + onnxruntime + ortbridge): RSS {fixed['imports'] / MiB:.0f} MiB "
+        f"({fixed['imports_anon'] / MiB:.0f} anonymous); then, in MiB:"
+    )
+    print(
+        f"  + a first torch.optim optimizer (imports torch._dynamo) {fixed['optimizer'] / MiB:.0f}, + import "
+        f"ortbridge.training {fixed['training'] / MiB:.0f}, + import train_step {fixed['train_step'] / MiB:.0f}"
+    )
     status = 0
     for name, shape, results in rows:
         eager = results[0]
-        print(f"\n{name} {' x '.join(map(str, shape))}: state {eager['state'] / MiB:.2f} MiB, "
-              f"batch {eager['batch'] / MiB:.2f} MiB, peak by {eager['hwm']}; MiB except the ratios and mods")
-        print(f"{'variant':>17} {'warm':>6} {'peak':>6} {'step':>5} {'grow':>5} {'xpeak':>5} {'xstep':>5} "
-              f"{'+anon':>6} {'+file':>5} {'kept':>5} {'mods':>4} {'saved':>5} {'graphs':>6}")
+        print(
+            f"\n{name} {' x '.join(map(str, shape))}: state {eager['state'] / MiB:.2f} MiB, "
+            f"batch {eager['batch'] / MiB:.2f} MiB, peak by {eager['hwm']}; MiB except the ratios and mods"
+        )
+        print(
+            f"{'variant':>17} {'warm':>6} {'peak':>6} {'step':>5} {'grow':>5} {'xpeak':>5} {'xstep':>5} "
+            f"{'+anon':>6} {'+file':>5} {'kept':>5} {'mods':>4} {'saved':>5} {'graphs':>6}"
+        )
         for variant, r in zip(variants, results):
             step, eager_step = r["peak"] - r["warm"], eager["peak"] - eager["warm"]
             xstep = f"{step / eager_step:5.2f}" if eager_step > MiB / 4 else f"{'-':>5}"
             flag = "  > 1.2x" if r["peak"] > 1.2 * eager["peak"] else ""
-            print(f"{variant:>17} {r['warm'] / MiB:6.0f} {r['peak'] / MiB:6.0f} {step / MiB:5.1f} "
-                  f"{r['grow'] / MiB:5.1f} {r['peak'] / eager['peak']:5.2f} {xstep} "
-                  f"{r['anon'] / MiB:6.1f} {r['file'] / MiB:5.1f} {r['kept'] / MiB:5.0f} {r['modules']:4d} "
-                  f"{r['saved'] / MiB:5.2f} {r['graphs'] / MiB:6.2f}{flag}")
+            print(
+                f"{variant:>17} {r['warm'] / MiB:6.0f} {r['peak'] / MiB:6.0f} {step / MiB:5.1f} "
+                f"{r['grow'] / MiB:5.1f} {r['peak'] / eager['peak']:5.2f} {xstep} "
+                f"{r['anon'] / MiB:6.1f} {r['file'] / MiB:5.1f} {r['kept'] / MiB:5.0f} {r['modules']:4d} "
+                f"{r['saved'] / MiB:5.2f} {r['graphs'] / MiB:6.2f}{flag}"
+            )
             if not torch.allclose(torch.tensor(r["loss"]), torch.tensor(eager["loss"]), rtol=1e-4, atol=1e-6):
                 print(f"{name} {shape}: {variant} loss {r['loss']} differs from eager's {eager['loss']}")
                 status = 1

@@ -49,10 +49,10 @@ import copy
 import sys
 
 import torch
+from common import medians, versions
 
 import ortbridge
 from ortbridge.core import fallback
-from common import medians, versions
 
 F = torch.nn.functional
 
@@ -112,8 +112,10 @@ class HardSwish(torch.nn.Module):
 
 
 def conv_bn(cin: int, cout: int, kernel: int = 1, stride: int = 1, groups: int = 1, act: bool = True):
-    layers = [torch.nn.Conv2d(cin, cout, kernel, stride, kernel // 2, groups=groups, bias=False),
-              torch.nn.BatchNorm2d(cout)]
+    layers = [
+        torch.nn.Conv2d(cin, cout, kernel, stride, kernel // 2, groups=groups, bias=False),
+        torch.nn.BatchNorm2d(cout),
+    ]
     return torch.nn.Sequential(*layers, HardSwish()) if act else torch.nn.Sequential(*layers)
 
 
@@ -146,8 +148,12 @@ class CNN(torch.nn.Module):
     def __init__(self, classes: int = 10):
         super().__init__()
         self.stem = conv_bn(3, 16, 3, 2)
-        self.blocks = torch.nn.Sequential(InvertedResidual(16, 64, 16, 1, False), InvertedResidual(16, 64, 24, 2, True),
-                                          InvertedResidual(24, 96, 24, 1, True), InvertedResidual(24, 96, 40, 2, False))
+        self.blocks = torch.nn.Sequential(
+            InvertedResidual(16, 64, 16, 1, False),
+            InvertedResidual(16, 64, 24, 2, True),
+            InvertedResidual(24, 96, 24, 1, True),
+            InvertedResidual(24, 96, 40, 2, False),
+        )
         self.head = torch.nn.Linear(40, classes)
 
     def forward(self, x):
@@ -155,13 +161,23 @@ class CNN(torch.nn.Module):
 
 
 def block_case(batch: int, seq: int, width: int):
-    return (Block(width), torch.randn(batch, seq, width), torch.randn(batch, seq, width), F.mse_loss,
-            f"{batch} x {seq} x {width}")
+    return (
+        Block(width),
+        torch.randn(batch, seq, width),
+        torch.randn(batch, seq, width),
+        F.mse_loss,
+        f"{batch} x {seq} x {width}",
+    )
 
 
 def cnn_case(batch: int, side: int):
-    return (CNN(), torch.randn(batch, 3, side, side), torch.randint(0, 10, (batch,)), F.cross_entropy,
-            f"{batch} x 3 x {side} x {side}")
+    return (
+        CNN(),
+        torch.randn(batch, 3, side, side),
+        torch.randint(0, 10, (batch,)),
+        F.cross_entropy,
+        f"{batch} x 3 x {side} x {side}",
+    )
 
 
 def timm_cases() -> list:
@@ -170,7 +186,7 @@ def timm_cases() -> list:
     pairs), 10 classes, cross-entropy, batch 8 of 3 x 64 x 64 images (the ViT: 32 x 32, patch 8)."""
     import warnings
 
-    with warnings.catch_warnings():  # (timm imports torchvision, whose C extension is not loaded; README)
+    with warnings.catch_warnings():  # (timm imports torchvision, whose C extension is not loaded; docs/building.md)
         warnings.simplefilter("ignore")
         import timm
         from timm.layers import activations_me as me
@@ -186,14 +202,22 @@ def timm_cases() -> list:
     def case(name: str, side: int, **kwargs):
         def make(batch: int):
             model = timm.create_model(name, pretrained=False, num_classes=10, **kwargs)
-            return (hard_sigmoid_me(model), torch.randn(batch, 3, side, side), torch.randint(0, 10, (batch,)),
-                    F.cross_entropy, f"{batch} x 3 x {side} x {side}")
+            return (
+                hard_sigmoid_me(model),
+                torch.randn(batch, 3, side, side),
+                torch.randint(0, 10, (batch,)),
+                F.cross_entropy,
+                f"{batch} x 3 x {side} x {side}",
+            )
+
         return make
 
-    return [("mobilenetv3_small_050", case("mobilenetv3_small_050", 64, act_layer=me.HardSwishMe), (8,)),
-            ("tinynet_e", case("tinynet_e", 64, act_layer=me.SwishMe), (8,)),
-            ("resnet10t", case("resnet10t", 64, act_layer=me.HardMishMe), (8,)),
-            ("vit_tiny", case("vit_tiny_patch16_224", 32, img_size=32, patch_size=8, act_layer=me.SwishMe), (8,))]
+    return [
+        ("mobilenetv3_small_050", case("mobilenetv3_small_050", 64, act_layer=me.HardSwishMe), (8,)),
+        ("tinynet_e", case("tinynet_e", 64, act_layer=me.SwishMe), (8,)),
+        ("resnet10t", case("resnet10t", 64, act_layer=me.HardMishMe), (8,)),
+        ("vit_tiny", case("vit_tiny_patch16_224", 32, img_size=32, patch_size=8, act_layer=me.SwishMe), (8,)),
+    ]
 
 
 def trainer(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn, autocast=None):
@@ -218,15 +242,23 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="one small shape per model, few repeats (a smoke test)")
     parser.add_argument("--threads", type=int, help="torch's (and so ONNX Runtime's) thread count")
     parser.add_argument("--ort-threads", type=int, help="ONNX Runtime's intra-op thread count (default: OrtModule's)")
-    parser.add_argument("--in-pytorch", default="", metavar="OPS",
-                        help="comma-separated aten operators to run in PyTorch (fallback nodes), e.g. convolution")
+    parser.add_argument(
+        "--in-pytorch",
+        default="",
+        metavar="OPS",
+        help="comma-separated aten operators to run in PyTorch (fallback nodes), e.g. convolution",
+    )
     parser.add_argument("--timm", action="store_true", help="also timm models with memory-efficient activations")
-    parser.add_argument("--bf16", choices=["model", "autocast"],
-                        help="train in bfloat16: the model and inputs, or float32 weights under autocast")
+    parser.add_argument(
+        "--bf16",
+        choices=["model", "autocast"],
+        help="train in bfloat16: the model and inputs, or float32 weights under autocast",
+    )
     args = parser.parse_args()
     try:
-        in_pytorch = {getattr(torch.ops.aten, op).default
-                      for op in filter(None, map(str.strip, args.in_pytorch.split(",")))}
+        in_pytorch = {
+            getattr(torch.ops.aten, op).default for op in filter(None, map(str.strip, args.in_pytorch.split(",")))
+        }
     except (AttributeError, RuntimeError) as e:
         parser.error(f"--in-pytorch {args.in_pytorch}: not aten operators ({e})")
     if args.threads:
@@ -248,14 +280,17 @@ def main() -> int:
             parser.error(f"--timm needs timm ({e}); scripts/setup.sh installs it")
     repeats, target = (3, 0.05) if args.quick else (args.repeats, args.target)
     print(versions())
-    print(f"torch threads {torch.get_num_threads()}; ONNX Runtime intra-op threads "
-          f"{args.ort_threads or 'OrtModule default (torch, 1 for small graphs)'}; median of {repeats} repeats"
-          f"{'; in PyTorch: ' + args.in_pytorch if args.in_pytorch else ''}"
-          f"{'; bfloat16 ' + args.bf16 if args.bf16 else ''}\n")
+    print(
+        f"torch threads {torch.get_num_threads()}; ONNX Runtime intra-op threads "
+        f"{args.ort_threads or 'OrtModule default (torch, 1 for small graphs)'}; median of {repeats} repeats"
+        f"{'; in PyTorch: ' + args.in_pytorch if args.in_pytorch else ''}"
+        f"{'; bfloat16 ' + args.bf16 if args.bf16 else ''}\n"
+    )
     name_width = max(len(name) for name, _, _ in cases)
-    print(f"{'model':>{name_width}} {'size':>18} {'eager ms':>9} {'OrtModule ms':>13} {'ratio':>6} "
-          f"{'compile ms':>11} {'ratio':>6}"
-          + (f" {'+in PyTorch ms':>15} {'ratio':>6}" if in_pytorch else ""))
+    print(
+        f"{'model':>{name_width}} {'size':>18} {'eager ms':>9} {'OrtModule ms':>13} {'ratio':>6} "
+        f"{'compile ms':>11} {'ratio':>6}" + (f" {'+in PyTorch ms':>15} {'ratio':>6}" if in_pytorch else "")
+    )
     for name, case, shape in cases:
         torch.manual_seed(0)
         model, x, y, loss_fn, size = case(*shape)
@@ -263,9 +298,14 @@ def main() -> int:
             model, x = model.to(torch.bfloat16), x.to(torch.bfloat16)
         autocast = torch.bfloat16 if args.bf16 == "autocast" else None
         torch._dynamo.reset()
-        steps = [trainer(m, x, y, loss_fn, autocast) for m in (
-            copy.deepcopy(model), ortbridge.OrtModule(copy.deepcopy(model), **options),
-            torch.compile(copy.deepcopy(model), backend="ortbridge", options=options))]
+        steps = [
+            trainer(m, x, y, loss_fn, autocast)
+            for m in (
+                copy.deepcopy(model),
+                ortbridge.OrtModule(copy.deepcopy(model), **options),
+                torch.compile(copy.deepcopy(model), backend="ortbridge", options=options),
+            )
+        ]
         first = [s() for s in steps]  # captures the graphs
         if in_pytorch:  # (captured with those operators preferred in PyTorch; the set restored after)
             steps.append(trainer(ortbridge.OrtModule(copy.deepcopy(model), **options), x, y, loss_fn, autocast))
@@ -281,8 +321,10 @@ def main() -> int:
                 print(f"{name} {size}: {wrapper} loss {loss.item()} differs from eager's {first[0].item()}")
                 return 1
         eager, *wrapped = (t * 1e3 for t in medians(steps, repeats, target, warmup=3))
-        print(f"{name:>{name_width}} {size:>18} {eager:9.3f}" + "".join(
-            f" {t:{w}.3f} {t / eager:6.2f}" for t, w in zip(wrapped, (13, 11, 15))))
+        print(
+            f"{name:>{name_width}} {size:>18} {eager:9.3f}"
+            + "".join(f" {t:{w}.3f} {t / eager:6.2f}" for t, w in zip(wrapped, (13, 11, 15)))
+        )
     assert ortbridge.context_pool_size() == 0
     return 0
 

@@ -67,10 +67,9 @@ import sys
 
 import numpy as np
 import torch
-
 from common import Clone, View, cuda_versions, medians, python_op, require_device, session, versions
 
-SIZES = [4 ** k for k in range(6, 15)]  # bytes: 4 KiB .. 256 MiB
+SIZES = [4**k for k in range(6, 15)]  # bytes: 4 KiB .. 256 MiB
 
 
 def make_session(func: type, threads: int, device: str = "cpu"):
@@ -93,15 +92,21 @@ def fmt_size(nbytes: int) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--repeats", type=int, default=7, help="timed repeats per measurement (median reported)")
     p.add_argument("--target", type=float, default=0.15, help="seconds per repeat (sets N)")
     p.add_argument("--large-repeats", type=int, default=5, help="repeats for 64 MiB and up (N is 1-2 there)")
     p.add_argument("--max-size", default="256M", help="largest tensor, e.g. 16M (default 256M)")
     p.add_argument("--threads", type=int, default=1, help="torch and ORT intra-op threads")
     p.add_argument("--quick", action="store_true", help="smoke run: 3 repeats of ~0.02 s, up to 64M")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cpu (default) or cuda: the node on ORT's CUDA execution provider, torch on the GPU")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu (default) or cuda: the node on ORT's CUDA execution provider, torch on the GPU",
+    )
     args = p.parse_args(argv)
     repeats, target, large_repeats, max_size = args.repeats, args.target, args.large_repeats, args.max_size
     if args.quick:
@@ -124,15 +129,19 @@ def main(argv=None) -> int:
     print(versions())
     if on_cuda:
         print(cuda_versions())
-    print(f"torch/ORT intra-op threads {args.threads}  repeats {repeats} "
-          f"({large_repeats} from 64M)  ~{target:g} s/repeat  feed: IOBinding (input bound to a torch pointer, "
-          f"output ORT-allocated on {device})")
+    print(
+        f"torch/ORT intra-op threads {args.threads}  repeats {repeats} "
+        f"({large_repeats} from 64M)  ~{target:g} s/repeat  feed: IOBinding (input bound to a torch pointer, "
+        f"output ORT-allocated on {device})"
+    )
     if on_cuda:
         print("each call (ORT run, torch.clone, copy_) ends with its stream synchronized")
     print("times: median microseconds per call; ratio = ORT / torch.clone")
     print()
-    print(f"{'size':>5} {'ORT clone':>11} {'ORT view':>11} {'torch.clone':>12} {'copy_':>11} {'clone+copy_':>12} "
-          f"{'clone/tc':>9} {'floor/tc':>9} {'clone/floor':>11} {'view/tc':>8} {'view GB/s':>10}")
+    print(
+        f"{'size':>5} {'ORT clone':>11} {'ORT view':>11} {'torch.clone':>12} {'copy_':>11} {'clone+copy_':>12} "
+        f"{'clone/tc':>9} {'floor/tc':>9} {'clone/floor':>11} {'view/tc':>8} {'view GB/s':>10}"
+    )
 
     for nbytes in sizes:
         numel = nbytes // 4
@@ -161,6 +170,7 @@ def main(argv=None) -> int:
 
             torch.cuda.synchronize()  # ORT's stream does not wait for torch's: x is ready before any run
         else:
+
             def torch_clone():
                 return x.clone()
 
@@ -186,11 +196,15 @@ def main(argv=None) -> int:
         fns = [ort_clone, ort_view, torch_clone, copy_, clone_copy]
         large = nbytes >= (64 << 20)
         # warm-up covers arena growth, page mapping and allocator caches
-        t_clone, t_view, t_tc, t_copy, t_floor = medians(fns, large_repeats if large else repeats, target,
-                                                         2 if large else 10, sync)
-        print(f"{fmt_size(nbytes):>5} {t_clone * 1e6:>11.1f} {t_view * 1e6:>11.1f} {t_tc * 1e6:>12.1f} "
-              f"{t_copy * 1e6:>11.1f} {t_floor * 1e6:>12.1f} {t_clone / t_tc:>9.2f} {t_floor / t_tc:>9.2f} "
-              f"{t_clone / t_floor:>11.2f} {t_view / t_tc:>8.2f} {nbytes / t_view / 1e9:>10.2f}", flush=True)
+        t_clone, t_view, t_tc, t_copy, t_floor = medians(
+            fns, large_repeats if large else repeats, target, 2 if large else 10, sync
+        )
+        print(
+            f"{fmt_size(nbytes):>5} {t_clone * 1e6:>11.1f} {t_view * 1e6:>11.1f} {t_tc * 1e6:>12.1f} "
+            f"{t_copy * 1e6:>11.1f} {t_floor * 1e6:>12.1f} {t_clone / t_tc:>9.2f} {t_floor / t_tc:>9.2f} "
+            f"{t_clone / t_floor:>11.2f} {t_view / t_tc:>8.2f} {nbytes / t_view / 1e9:>10.2f}",
+            flush=True,
+        )
         del io_c, io_v, ort_clone, ort_view, fns
         gc.collect()
 

@@ -10,10 +10,10 @@ namespace {
 
 constexpr int kApplyFlags = METH_CLASS | METH_VARARGS | METH_KEYWORDS;
 
-PyMethodDef* g_entry = nullptr;                 // torch's entry for apply, once seen
+PyMethodDef* g_entry = nullptr;                   // torch's entry for apply, once seen
 PyCFunctionWithKeywords g_torch_apply = nullptr;  // its function
-PyObject* g_route = nullptr;                    // interception.py's router (kept for the process)
-PyMethodDef g_unrouted{};                       // a copy of torch's entry, for UnroutedApply
+PyObject* g_route = nullptr;                      // interception.py's router (kept for the process)
+PyMethodDef g_unrouted{};                         // a copy of torch's entry, for UnroutedApply
 
 PyObject* RoutedApply(PyObject* cls, PyObject* args, PyObject* kwargs) {
   // (a fresh dict where torch got none: the router may hand it on to code that changes it)
@@ -27,23 +27,26 @@ PyObject* RoutedApply(PyObject* cls, PyObject* args, PyObject* kwargs) {
 // torch's entry behind `descriptor`, checked to be what this code was written for.
 PyMethodDef* Entry(PyObject* descriptor) {
   if (!PyObject_TypeCheck(descriptor, &PyClassMethodDescr_Type)) {
-    PyErr_Format(PyExc_RuntimeError,
-                 "ortbridge: torch's _C._FunctionBase.apply is a %s, not a classmethod descriptor: this torch "
-                 "release implements Function.apply in a way ortbridge does not know",
-                 Py_TYPE(descriptor)->tp_name);
+    PyErr_Format(
+        PyExc_RuntimeError,
+        "ortbridge: torch's _C._FunctionBase.apply is a %s, not a classmethod descriptor: this torch "
+        "release implements Function.apply in a way ortbridge does not know",
+        Py_TYPE(descriptor)->tp_name);
     return nullptr;
   }
   PyMethodDef* entry = reinterpret_cast<PyMethodDescrObject*>(descriptor)->d_method;
   if ((entry->ml_flags & ~METH_COEXIST) != kApplyFlags) {
-    PyErr_Format(PyExc_RuntimeError,
-                 "ortbridge: torch's _C._FunctionBase.apply has calling convention flags 0x%x, where ortbridge "
-                 "knows 0x%x (METH_CLASS | METH_VARARGS | METH_KEYWORDS): this torch release changed how "
-                 "Function.apply is called",
-                 entry->ml_flags, kApplyFlags);
+    PyErr_Format(
+        PyExc_RuntimeError,
+        "ortbridge: torch's _C._FunctionBase.apply has calling convention flags 0x%x, where ortbridge "
+        "knows 0x%x (METH_CLASS | METH_VARARGS | METH_KEYWORDS): this torch release changed how "
+        "Function.apply is called",
+        entry->ml_flags, kApplyFlags);
     return nullptr;
   }
   if (g_entry && entry != g_entry) {
-    PyErr_SetString(PyExc_RuntimeError, "ortbridge: torch's _C._FunctionBase.apply was replaced after it was routed");
+    PyErr_SetString(PyExc_RuntimeError,
+                    "ortbridge: torch's _C._FunctionBase.apply was replaced after it was routed");
     return nullptr;
   }
   if (!g_entry) {
@@ -61,7 +64,8 @@ bool MakeWritable(PyMethodDef* entry) {
   const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
   const auto field = reinterpret_cast<uintptr_t>(&entry->ml_meth);
   const uintptr_t start = field & ~(page - 1);
-  if (mprotect(reinterpret_cast<void*>(start), field + sizeof(entry->ml_meth) - start, PROT_READ | PROT_WRITE) != 0) {
+  if (mprotect(reinterpret_cast<void*>(start), field + sizeof(entry->ml_meth) - start,
+               PROT_READ | PROT_WRITE) != 0) {
     PyErr_SetFromErrno(PyExc_OSError);
     return false;
   }

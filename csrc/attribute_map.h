@@ -24,8 +24,12 @@ class MapAttributes : public AttributeSource {
   }
   bool GetInt(const char* name, int64_t* out) const override { return Find(ints, name, out); }
   bool GetString(const char* name, std::string* out) const override { return Find(strings, name, out); }
-  bool GetInts(const char* name, std::vector<int64_t>* out) const override { return Find(int_lists, name, out); }
-  bool GetFloats(const char* name, std::vector<float>* out) const override { return Find(float_lists, name, out); }
+  bool GetInts(const char* name, std::vector<int64_t>* out) const override {
+    return Find(int_lists, name, out);
+  }
+  bool GetFloats(const char* name, std::vector<float>* out) const override {
+    return Find(float_lists, name, out);
+  }
 
   void Erase(const std::string& name) {
     ints.erase(name);

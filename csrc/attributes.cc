@@ -132,7 +132,8 @@ void ReadFloatScalars(const AttributeSource& a, const std::string& conv, std::ve
                       std::vector<Constant>& out) {
   auto values = Floats(a, "input_float_scalars");
   auto positions = Ints(a, "input_float_scalar_positions", false);
-  CheckSize("input_float_scalar_positions", positions.size(), values.size(), "one per value of input_float_scalars");
+  CheckSize("input_float_scalar_positions", positions.size(), values.size(),
+            "one per value of input_float_scalars");
   std::vector<int64_t> exact;  // ortbridge extension: the float64 bit patterns, exact
   if (OptionalInts(a, "input_float_scalars_f64", &exact)) {
     CheckSize("input_float_scalars_f64", exact.size(), values.size(), "one per value of input_float_scalars");
@@ -170,8 +171,8 @@ void ReadTuples(const AttributeSource& a, const char* values_name, const char* p
     int64_t begin = begins[t];
     int64_t end = t + 1 < begins.size() ? begins[t + 1] : static_cast<int64_t>(total);
     if (begin < 0 || begin > end || end > static_cast<int64_t>(total) || (t == 0 && begin != 0)) {
-      Fail(begins_name, "offsets must start at 0 and rise within the " + std::to_string(total) + " values of " +
-                            values_name);
+      Fail(begins_name, "offsets must start at 0 and rise within the " + std::to_string(total) +
+                            " values of " + values_name);
     }
     Claim(positions_name, positions[t], conv, taken);
     Constant c{kind, static_cast<size_t>(positions[t]), {}, {}};
@@ -192,7 +193,8 @@ void ReadTuples(const AttributeSource& a, const char* values_name, const char* p
 
 // ortbridge extension: constants that ORT's typed attributes cannot hold (None, str, lists, mixed
 // or nested tuples, ...) as one JSON list. Its entries are counted and decoded in Python.
-void ReadLiterals(const AttributeSource& a, const std::string& conv, std::vector<bool>& taken, ForwardLayout& f) {
+void ReadLiterals(const AttributeSource& a, const std::string& conv, std::vector<bool>& taken,
+                  ForwardLayout& f) {
   const char* name = "input_literals";
   bool has_text = a.GetString(name, &f.literals) || !Absent(a, name, "STRING", false);
   if (has_text && !IsValidUtf8(f.literals)) Fail(name, "is not valid UTF-8 (or holds a NUL character)");
@@ -203,7 +205,8 @@ void ReadLiterals(const AttributeSource& a, const std::string& conv, std::vector
   }
   for (size_t i = 0; i < positions.size(); ++i) {
     Claim("input_literal_positions", positions[i], conv, taken);
-    f.constants.push_back({Constant::Kind::kLiteral, static_cast<size_t>(positions[i]), {static_cast<int64_t>(i)}, {}});
+    f.constants.push_back(
+        {Constant::Kind::kLiteral, static_cast<size_t>(positions[i]), {static_cast<int64_t>(i)}, {}});
   }
 }
 
@@ -227,8 +230,8 @@ void ReadForwardInputs(const AttributeSource& a, size_t input_count, ForwardLayo
   for (size_t i = 0; i < conv.size(); ++i) {
     if (rg[i] != 0 && rg[i] != 1) Fail("input_requires_grads", "entries must be 0 or 1");
     if (rg[i] == 1 && conv[i] == 'c') {
-      Fail("input_requires_grads", "entry " + std::to_string(i) + " is 1, but argument " + std::to_string(i) +
-                                       " is a constant");
+      Fail("input_requires_grads",
+           "entry " + std::to_string(i) + " is 1, but argument " + std::to_string(i) + " is a constant");
     }
     if (conv[i] == 'd') {
       f.tensor_positions.push_back(i);
@@ -245,8 +248,8 @@ void ReadConstants(const AttributeSource& a, ForwardLayout& f) {
                  f.constants);
   ReadIntScalars(a, {"input_int_scalars", "input_int_scalar_positions", Constant::Kind::kInt}, conv, taken,
                  f.constants);
-  ReadIntScalars(a, {"input_pointer_scalars", "input_pointer_scalar_positions", Constant::Kind::kObject}, conv,
-                 taken, f.constants);
+  ReadIntScalars(a, {"input_pointer_scalars", "input_pointer_scalar_positions", Constant::Kind::kObject},
+                 conv, taken, f.constants);
   ReadFloatScalars(a, conv, taken, f.constants);
   ReadTuples(a, "input_bool_tuples", "input_bool_tuple_positions", "input_bool_tuple_begins",
              Constant::Kind::kBoolTuple, conv, taken, f.constants);
@@ -257,8 +260,9 @@ void ReadConstants(const AttributeSource& a, ForwardLayout& f) {
   ReadLiterals(a, conv, taken, f);
   for (size_t i = 0; i < conv.size(); ++i) {
     if (conv[i] == 'c' && !taken[i]) {
-      Fail("input_convention", "constant argument " + std::to_string(i) + " has no value in any input_*_scalars, "
-                               "input_*_tuples or input_literal_positions attribute");
+      Fail("input_convention", "constant argument " + std::to_string(i) +
+                                   " has no value in any input_*_scalars, "
+                                   "input_*_tuples or input_literal_positions attribute");
     }
   }
   std::sort(f.constants.begin(), f.constants.end(),
@@ -341,8 +345,8 @@ BackwardLayout ParseBackward(const AttributeSource& a, size_t input_count, size_
   }
   if (b.grad_input_slots.size() != input_count - 1) {
     Fail("input_tensor_present", "marks " + std::to_string(b.grad_input_slots.size()) +
-                                     " gradients present, but the node has " + std::to_string(input_count - 1) +
-                                     " inputs after the context id");
+                                     " gradients present, but the node has " +
+                                     std::to_string(input_count - 1) + " inputs after the context id");
   }
 
   const std::string& conv = b.output_convention;
@@ -369,7 +373,8 @@ void CheckOutputDims(const char* attribute, const std::vector<int64_t>& ranks) {
   int64_t dims = 0;
   for (int64_t r : ranks) {
     if (r > kMaxRank) {
-      Fail(attribute, "rank " + std::to_string(r) + " is not valid (at most " + std::to_string(kMaxRank) + ")");
+      Fail(attribute,
+           "rank " + std::to_string(r) + " is not valid (at most " + std::to_string(kMaxRank) + ")");
     }
     dims += r > 0 ? r : 0;  // (shape inference calls this on ranks nothing checked before)
   }
@@ -390,10 +395,10 @@ size_t Utf8SequenceLength(const std::string& text, size_t i) {
   for (size_t k = 1; k < n; ++k) {
     if ((byte(i + k) & 0xc0) != 0x80) return 0;
   }
-  const bool overlong_or_out_of_range = (n == 2 && c < 0xc2) || (n == 3 && c == 0xe0 && byte(i + 1) < 0xa0) ||
-                                        (n == 3 && c == 0xed && byte(i + 1) >= 0xa0) ||  // surrogates
-                                        (n == 4 && (c > 0xf4 || (c == 0xf0 && byte(i + 1) < 0x90) ||
-                                                    (c == 0xf4 && byte(i + 1) >= 0x90)));
+  const bool overlong_or_out_of_range =
+      (n == 2 && c < 0xc2) || (n == 3 && c == 0xe0 && byte(i + 1) < 0xa0) ||
+      (n == 3 && c == 0xed && byte(i + 1) >= 0xa0) ||  // surrogates
+      (n == 4 && (c > 0xf4 || (c == 0xf0 && byte(i + 1) < 0x90) || (c == 0xf4 && byte(i + 1) >= 0x90)));
   return overlong_or_out_of_range ? 0 : n;
 }
 

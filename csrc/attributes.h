@@ -56,24 +56,24 @@ class AttributeError : public std::runtime_error {
 struct Constant {
   enum class Kind { kBool, kInt, kFloat, kBoolTuple, kIntTuple, kFloatTuple, kObject, kLiteral };
   Kind kind;
-  size_t position;              // index among all apply arguments
-  std::vector<int64_t> ints;    // bool/int values, the object key (kObject), the index in literals (kLiteral)
-  std::vector<double> floats;   // float values
+  size_t position;             // index among all apply arguments
+  std::vector<int64_t> ints;   // bool/int values, the object key (kObject), the index in literals (kLiteral)
+  std::vector<double> floats;  // float values
 };
 
 // PythonOp: Function.apply(*args) where args interleave tensor inputs and constants.
 struct ForwardLayout {
   std::string func_name;
-  std::string input_convention;                // 'd' tensor, 'c' constant, one per argument
+  std::string input_convention;  // 'd' tensor, 'c' constant, one per argument
   bool training_mode = false;
-  bool safe_run_mode = true;                   // false: forward is called without Function.apply
-  std::vector<bool> requires_grad;             // per tensor input
-  std::vector<size_t> tensor_positions;        // argument index of each tensor input
-  std::vector<int64_t> input_tensor_types;     // ONNX element types
-  std::vector<int64_t> input_tensor_ranks;     // -1: unknown
-  std::vector<Constant> constants;             // sorted by position
-  std::string literals;                        // input_literals: JSON list the kLiteral constants index
-  std::vector<int64_t> output_tensor_types;    // per output after the context id
+  bool safe_run_mode = true;                 // false: forward is called without Function.apply
+  std::vector<bool> requires_grad;           // per tensor input
+  std::vector<size_t> tensor_positions;      // argument index of each tensor input
+  std::vector<int64_t> input_tensor_types;   // ONNX element types
+  std::vector<int64_t> input_tensor_ranks;   // -1: unknown
+  std::vector<Constant> constants;           // sorted by position
+  std::string literals;                      // input_literals: JSON list the kLiteral constants index
+  std::vector<int64_t> output_tensor_types;  // per output after the context id
   std::vector<int64_t> output_tensor_ranks;
   // tensor_reuse_map entries j -> i whose output and input types agree (the first per input):
   // node output j is tensor input i updated in place.
@@ -83,14 +83,14 @@ struct ForwardLayout {
 // PythonOpGrad: Function.backward(ctx, *grads) -> one value per forward argument.
 struct BackwardLayout {
   std::string func_name;
-  std::string output_convention;               // the forward input_convention
-  std::vector<int64_t> input_tensor_types;     // per forward output: the type of its gradient
+  std::string output_convention;            // the forward input_convention
+  std::vector<int64_t> input_tensor_types;  // per forward output: the type of its gradient
   std::vector<int64_t> input_tensor_ranks;
-  std::vector<size_t> grad_input_slots;        // forward output of each gradient input (after ctx)
-  std::vector<int64_t> output_tensor_types;    // per forward tensor input (absent outputs allowed)
+  std::vector<size_t> grad_input_slots;      // forward output of each gradient input (after ctx)
+  std::vector<int64_t> output_tensor_types;  // per forward tensor input (absent outputs allowed)
   std::vector<int64_t> output_tensor_ranks;
-  std::vector<bool> output_requires_grad;      // per gradient output
-  std::vector<size_t> output_positions;        // backward-result index of each gradient output
+  std::vector<bool> output_requires_grad;  // per gradient output
+  std::vector<size_t> output_positions;    // backward-result index of each gradient output
 };
 
 // input_count/output_count are the node's own counts (context id included).

@@ -29,7 +29,9 @@ struct CustomOp : OrtCustomOp {
     GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; };
     GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_VARIADIC; };
     GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_VARIADIC; };
-    GetInputMemoryType = [](const OrtCustomOp* op, size_t index) { return Kernel::InputMemoryType(Of(op), index); };
+    GetInputMemoryType = [](const OrtCustomOp* op, size_t index) {
+      return Kernel::InputMemoryType(Of(op), index);
+    };
     GetVariadicInputMinArity = [](const OrtCustomOp*) { return Kernel::kMinInputs; };
     GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 0; };
     GetVariadicOutputMinArity = [](const OrtCustomOp*) { return Kernel::kMinOutputs; };

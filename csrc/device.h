@@ -38,7 +38,8 @@ Placement PlacementOf(const OrtApi& api, const OrtKernelInfo* info, Backend back
 // backend. GIL held.
 class StreamScope {
  public:
-  StreamScope(const OrtApi& api, OrtKernelContext* context, const Placement& placement, const py::object& runner);
+  StreamScope(const OrtApi& api, OrtKernelContext* context, const Placement& placement,
+              const py::object& runner);
   StreamScope(const StreamScope&) = delete;
   StreamScope& operator=(const StreamScope&) = delete;
   ~StreamScope();

@@ -29,7 +29,9 @@ struct BorrowedTensor {
   int64_t* shape_and_strides() { return reinterpret_cast<int64_t*>(this + 1); }
 };
 
-void DeleteBorrowed(dl::ManagedTensor* self) { BorrowedTensor::Delete(static_cast<BorrowedTensor*>(self->manager_ctx)); }
+void DeleteBorrowed(dl::ManagedTensor* self) {
+  BorrowedTensor::Delete(static_cast<BorrowedTensor*>(self->manager_ctx));
+}
 
 // A capsule torch never consumed still owns its tensor.
 void CapsuleDestructor(PyObject* capsule) {
@@ -185,10 +187,14 @@ void ImportedTensor::CopyStrided(char* out) const {
 
 std::string DeviceName(dl::Device device) {
   switch (device.device_type) {
-    case dl::kCPU: return "cpu";
-    case dl::kCUDA: return "cuda:" + std::to_string(device.device_id);
-    case dl::kCUDAHost: return "cuda_host";
-    default: return "device type " + std::to_string(device.device_type);
+    case dl::kCPU:
+      return "cpu";
+    case dl::kCUDA:
+      return "cuda:" + std::to_string(device.device_id);
+    case dl::kCUDAHost:
+      return "cuda_host";
+    default:
+      return "device type " + std::to_string(device.device_type);
   }
 }
 

@@ -34,11 +34,13 @@ std::string ShapeText(const Dims& shape) {
 
 TensorView ReadInput(const OrtApi& api, OrtKernelContext* context, size_t index, int64_t type, int64_t rank) {
   TensorView t;
-  if (!GetInputTensor(api, context, index, &t)) throw std::runtime_error("input " + std::to_string(index) + " is missing");
+  if (!GetInputTensor(api, context, index, &t))
+    throw std::runtime_error("input " + std::to_string(index) + " is missing");
   if (t.elem_type != type) ThrowTypeMismatch("input " + std::to_string(index), t.elem_type, type);
   if (rank >= 0 && static_cast<int64_t>(t.shape.size()) != rank) {
-    throw std::runtime_error("input " + std::to_string(index) + " has rank " + std::to_string(t.shape.size()) +
-                             ", but the node declares rank " + std::to_string(rank));
+    throw std::runtime_error("input " + std::to_string(index) + " has rank " +
+                             std::to_string(t.shape.size()) + ", but the node declares rank " +
+                             std::to_string(rank));
   }
   return t;
 }
@@ -69,20 +71,21 @@ TensorView KernelOutputs::Write(size_t index, PyObject* capsule, int64_t type, i
     const std::string runs_on = placement_.backend == Backend::kCuda
                                     ? DeviceName(device) + " (the CUDA execution provider)"
                                     : std::string("the CPU execution provider");
-    throw std::runtime_error(what() + " is on " + DeviceName(d.device) + ", but this kernel runs on " + runs_on);
+    throw std::runtime_error(what() + " is on " + DeviceName(d.device) + ", but this kernel runs on " +
+                             runs_on);
   }
   const int64_t got = FromDLDataType(d.dtype);
   if (got != type) ThrowTypeMismatch(what(), got, type);
   if (d.ndim != rank) {
-    throw std::runtime_error(what() + " has rank " + std::to_string(d.ndim) + ", but the node declares rank " +
-                             std::to_string(rank));
+    throw std::runtime_error(what() + " has rank " + std::to_string(d.ndim) +
+                             ", but the node declares rank " + std::to_string(rank));
   }
   TensorView out;
   out.elem_type = type;
   out.shape = t.shape();
   if (expected_shape && out.shape != *expected_shape) {
-    throw std::runtime_error(what() + " has shape " + ShapeText(out.shape) + ", but the forward input had shape " +
-                             ShapeText(*expected_shape));
+    throw std::runtime_error(what() + " has shape " + ShapeText(out.shape) +
+                             ", but the forward input had shape " + ShapeText(*expected_shape));
   }
   if (const Lent* lent = LentElsewhere(index, t.data())) {
     throw std::runtime_error(what() + " is in the buffer lent for output " + std::to_string(lent->index) +
@@ -172,8 +175,8 @@ py::object LendOutput(size_t output, const std::vector<int64_t>& shape) {
   if (!lending || !lending->writer_) return py::none();
   const std::vector<int64_t>& types = *lending->types_;
   if (output >= types.size()) {
-    throw py::index_error("output " + std::to_string(output) + " of a node with " + std::to_string(types.size()) +
-                          " outputs");
+    throw py::index_error("output " + std::to_string(output) + " of a node with " +
+                          std::to_string(types.size()) + " outputs");
   }
   const int64_t rank = (*lending->ranks_)[output];
   if (static_cast<int64_t>(shape.size()) != rank) {

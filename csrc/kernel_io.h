@@ -28,8 +28,8 @@ py::tuple BorrowInputs(const TensorViews& inputs, dl::Device device);
 // is open). GIL held.
 class KernelOutputs {
  public:
-  KernelOutputs(const OrtApi& api, OrtKernelContext* context, const Placement& placement, const py::object& runner,
-                CheckedOutputs& checked)
+  KernelOutputs(const OrtApi& api, OrtKernelContext* context, const Placement& placement,
+                const py::object& runner, CheckedOutputs& checked)
       : api_(api), context_(context), placement_(placement), runner_(runner), checked_(checked) {}
 
   // Writes `capsule` (a tensor from Python) to output `index`, after checking that it lives on

@@ -49,7 +49,8 @@ void BindLayouts(py::module_& m) {
   using ortbridge::BackwardLayout;
   using ortbridge::Constant;
   using ortbridge::ForwardLayout;
-  py::class_<Constant> constant(m, "Constant", "One constant argument of Function.apply, fixed in the graph.");
+  py::class_<Constant> constant(m, "Constant",
+                                "One constant argument of Function.apply, fixed in the graph.");
   py::enum_<Constant::Kind>(constant, "Kind")
       .value("BOOL", Constant::Kind::kBool)
       .value("INT", Constant::Kind::kInt)
@@ -94,8 +95,9 @@ void BindLayouts(py::module_& m) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "ortbridge kernel library: PythonOp and PythonOpGrad for ONNX Runtime";
   BindLayouts(m);
-  m.def("context_pool_size", [] { return ortbridge::Contexts().Size(); },
-        "Number of live autograd contexts (forwards in training mode whose backward has not run).");
+  m.def(
+      "context_pool_size", [] { return ortbridge::Contexts().Size(); },
+      "Number of live autograd contexts (forwards in training mode whose backward has not run).");
   m.def(
       "release_context",
       [](int64_t id) {
@@ -110,7 +112,8 @@ PYBIND11_MODULE(_C, m) {
         const py::buffer_info info = ids.request();
         if (info.ndim != 1 || info.itemsize != sizeof(int64_t) || info.strides[0] != info.itemsize ||
             (info.format != "q" && info.format != "l"))
-          throw py::type_error("context ids: a 1-d contiguous buffer of int64, not format '" + info.format + "'");
+          throw py::type_error("context ids: a 1-d contiguous buffer of int64, not format '" + info.format +
+                               "'");
         const auto* data = static_cast<const int64_t*>(info.ptr);
         PyObject* capsule = ortbridge::NewContextIdsCapsule(std::vector<int64_t>(data, data + info.shape[0]));
         if (!capsule) throw py::error_already_set();
@@ -123,7 +126,8 @@ PYBIND11_MODULE(_C, m) {
       "element_types",
       [] {
         py::dict types;
-        for (const ortbridge::ElementType& t : ortbridge::kElementTypes) types[py::int_(int(t.onnx))] = t.name;
+        for (const ortbridge::ElementType& t : ortbridge::kElementTypes)
+          types[py::int_(int(t.onnx))] = t.name;
         return types;
       },
       "The ONNX element types that cross to torch: {ONNX TensorProto type: torch dtype name}.");
@@ -152,8 +156,8 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "parse_forward",
       [](std::map<std::string, int64_t> ints, std::map<std::string, std::string> strings,
-         std::map<std::string, std::vector<int64_t>> int_lists, std::map<std::string, std::vector<float>> float_lists,
-         size_t input_count, size_t output_count) {
+         std::map<std::string, std::vector<int64_t>> int_lists,
+         std::map<std::string, std::vector<float>> float_lists, size_t input_count, size_t output_count) {
         ortbridge::MapAttributes attributes;
         attributes.ints = std::move(ints);
         attributes.strings = std::move(strings);
@@ -165,11 +169,13 @@ PYBIND11_MODULE(_C, m) {
           throw py::value_error(e.what());
         }
       },
-      py::arg("ints"), py::arg("strings"), py::arg("int_lists"), py::arg("float_lists"), py::arg("input_count"),
-      py::arg("output_count"),
-      "A PythonOp node's attributes (by ONNX attribute type), validated as the kernel does it: its ForwardLayout.");
+      py::arg("ints"), py::arg("strings"), py::arg("int_lists"), py::arg("float_lists"),
+      py::arg("input_count"), py::arg("output_count"),
+      "A PythonOp node's attributes (by ONNX attribute type), validated as the kernel does it: its "
+      "ForwardLayout.");
   m.def("_lend_output", &ortbridge::LendOutput, py::arg("output"), py::arg("shape"),
-        "In an inference PythonOp's call on the CPU, a DLPack capsule over ONNX Runtime's buffer for the call's "
+        "In an inference PythonOp's call on the CPU, a DLPack capsule over ONNX Runtime's buffer for the "
+        "call's "
         "output `output` (from 0) with `shape`, valid until the call returns: returned as that output, it is "
         "written without a copy. None in any other kernel call and outside one.");
   m.def("_begin_run", &ortbridge::BeginRunScope);
@@ -184,8 +190,8 @@ PYBIND11_MODULE(_C, m) {
         ortbridge::BeginSaving(std::move(buffers));
       },
       py::arg("borrowed"),
-        "Until _end_saving, what a Function on this thread saves for backward from the buffers (address, "
-        "bytes) is copied, anything else detached (torch's saved-tensor hooks).");
+      "Until _end_saving, what a Function on this thread saves for backward from the buffers (address, "
+      "bytes) is copied, anything else detached (torch's saved-tensor hooks).");
   m.def("_end_saving", &ortbridge::EndSaving);
   m.def(
       "_route_apply",
@@ -193,7 +199,8 @@ PYBIND11_MODULE(_C, m) {
         if (!ortbridge::RouteApply(descriptor.ptr(), route.ptr())) throw py::error_already_set();
       },
       py::arg("descriptor"), py::arg("route"),
-      "Until _unroute_apply, every call of torch's C Function.apply (`descriptor`) is `route(cls, args, kwargs)`.");
+      "Until _unroute_apply, every call of torch's C Function.apply (`descriptor`) is `route(cls, args, "
+      "kwargs)`.");
   m.def(
       "_unroute_apply",
       [](const py::object& descriptor) {

@@ -108,8 +108,8 @@ void SetOutputTypeAndRank(const OrtApi& api, OrtShapeInferContext* ctx, size_t i
   ThrowOnError(api, status);
 }
 
-bool CopyInputTypeShape(const OrtApi& api, OrtShapeInferContext* ctx, size_t input, size_t output, int64_t elem_type,
-                        int64_t rank) {
+bool CopyInputTypeShape(const OrtApi& api, OrtShapeInferContext* ctx, size_t input, size_t output,
+                        int64_t elem_type, int64_t rank) {
   OrtTensorTypeAndShapeInfo* info = nullptr;  // owned by the context
   ThrowOnError(api, api.ShapeInferContext_GetInputTypeShape(ctx, input, &info));
   ONNXTensorElementDataType type;
@@ -121,7 +121,9 @@ bool CopyInputTypeShape(const OrtApi& api, OrtShapeInferContext* ctx, size_t inp
   return true;
 }
 
-std::string NodeName(const OrtApi&, const OrtKernelInfo* info) { return Ort::ConstKernelInfo(info).GetNodeName(); }
+std::string NodeName(const OrtApi&, const OrtKernelInfo* info) {
+  return Ort::ConstKernelInfo(info).GetNodeName();
+}
 
 namespace {
 ShapeReferenceFn g_shape_reference = nullptr;
@@ -146,15 +148,16 @@ bool GetInputTensor(const OrtApi& api, OrtKernelContext* ctx, size_t index, Tens
     Ort::TensorTypeAndShapeInfo info = value.GetTensorTypeAndShapeInfo();
     out->elem_type = info.GetElementType();
     out->shape.resize(info.GetDimensionsCount());
-    ThrowOnError(api, api.GetDimensions(info, out->shape.data(), out->shape.size()));  // (into the shape's own room)
+    ThrowOnError(
+        api, api.GetDimensions(info, out->shape.data(), out->shape.size()));  // (into the shape's own room)
   }
   // ORT hands inputs as const; the kernel only reads them.
   out->data = const_cast<void*>(value.GetTensorRawData());
   return true;
 }
 
-void* AllocateOutput(const OrtApi&, OrtKernelContext* ctx, size_t index, const Shape& shape, int64_t elem_type,
-                     bool check) {
+void* AllocateOutput(const OrtApi&, OrtKernelContext* ctx, size_t index, const Shape& shape,
+                     int64_t elem_type, bool check) {
   Ort::UnownedValue value = Ort::KernelContext(ctx).GetOutput(index, shape.data(), shape.size());
   if (!value) throw std::runtime_error("output " + std::to_string(index) + " has no value in the graph");
   if (!check) return value.GetTensorMutableRawData();
@@ -163,9 +166,9 @@ void* AllocateOutput(const OrtApi&, OrtKernelContext* ctx, size_t index, const S
   for (int64_t d : shape) expected *= static_cast<size_t>(d);
   if (info.GetElementType() != elem_type || info.GetElementCount() != expected) {
     throw std::runtime_error("ONNX Runtime allocated output " + std::to_string(index) + " as " +
-                             ElementTypeName(info.GetElementType()) + " of " + std::to_string(info.GetElementCount()) +
-                             " elements, but the node writes " + ElementTypeName(elem_type) + " of " +
-                             std::to_string(expected));
+                             ElementTypeName(info.GetElementType()) + " of " +
+                             std::to_string(info.GetElementCount()) + " elements, but the node writes " +
+                             ElementTypeName(elem_type) + " of " + std::to_string(expected));
   }
   return value.GetTensorMutableRawData();
 }
@@ -196,14 +199,16 @@ std::vector<DeclaredValue> Declared(size_t count, Name&& name_of, Type&& type_of
 
 std::vector<DeclaredValue> DeclaredInputs(const OrtApi&, const OrtKernelInfo* info) {
   Ort::ConstKernelInfo k(info);
-  return Declared(k.GetInputCount(), [&](size_t i) { return k.GetInputName(i); },
-                  [&](size_t i) { return k.GetInputTypeInfo(i); });
+  return Declared(
+      k.GetInputCount(), [&](size_t i) { return k.GetInputName(i); },
+      [&](size_t i) { return k.GetInputTypeInfo(i); });
 }
 
 std::vector<DeclaredValue> DeclaredOutputs(const OrtApi&, const OrtKernelInfo* info) {
   Ort::ConstKernelInfo k(info);
-  return Declared(k.GetOutputCount(), [&](size_t i) { return k.GetOutputName(i); },
-                  [&](size_t i) { return k.GetOutputTypeInfo(i); });
+  return Declared(
+      k.GetOutputCount(), [&](size_t i) { return k.GetOutputName(i); },
+      [&](size_t i) { return k.GetOutputTypeInfo(i); });
 }
 
 }  // namespace ortbridge

@@ -29,12 +29,13 @@ constexpr int kMinOrtMinorVersion = 19;
 // of its shape, where GetTensorTypeAndShape allocates an info object and its dims per call. ORT's
 // API table only grows, each version appending to it, so the entry has this index from 24 on;
 // the header the library builds with may be older (the compiler checks the index where it is not).
-using ShapeReferenceFn = OrtStatus*(ORT_API_CALL*)(const OrtValue*, ONNXTensorElementDataType*, const int64_t**,
-                                                  size_t*);
+using ShapeReferenceFn = OrtStatus*(ORT_API_CALL*)(const OrtValue*, ONNXTensorElementDataType*,
+                                                   const int64_t**, size_t*);
 constexpr uint32_t kShapeReferenceApiVersion = 24;
 constexpr size_t kShapeReferenceIndex = 414;
 #if ORT_API_VERSION >= 24
-static_assert(offsetof(OrtApi, GetTensorElementTypeAndShapeDataReference) == kShapeReferenceIndex * sizeof(void*));
+static_assert(offsetof(OrtApi, GetTensorElementTypeAndShapeDataReference) ==
+              kShapeReferenceIndex * sizeof(void*));
 #endif
 // Looks the entry up once, at registration: null where ORT is older than 1.24.
 void InitShapeReference(const OrtApiBase* base);
@@ -94,8 +95,8 @@ std::vector<int64_t> ShapeInferInts(const OrtApi& api, OrtShapeInferContext* ctx
 
 // Gives output `output` the inferred type and shape of input `input`, when that input has
 // `elem_type` and `rank`; returns whether it did.
-bool CopyInputTypeShape(const OrtApi& api, OrtShapeInferContext* ctx, size_t input, size_t output, int64_t elem_type,
-                        int64_t rank);
+bool CopyInputTypeShape(const OrtApi& api, OrtShapeInferContext* ctx, size_t input, size_t output,
+                        int64_t elem_type, int64_t rank);
 
 // Sets output `index` to a tensor of `elem_type` and `rank` unknown dimensions.
 void SetOutputTypeAndRank(const OrtApi& api, OrtShapeInferContext* ctx, size_t index, int64_t elem_type,

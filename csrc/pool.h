@@ -74,8 +74,10 @@ class ContextPool {
     for (;;) {
       if (next_random_ == random_.size()) {
         for (size_t filled = 0; filled < sizeof random_;) {
-          ssize_t got = getrandom(reinterpret_cast<char*>(random_.data()) + filled, sizeof random_ - filled, 0);
-          if (got < 0 && errno != EINTR) throw std::runtime_error("getrandom failed: cannot draw a context id");
+          ssize_t got =
+              getrandom(reinterpret_cast<char*>(random_.data()) + filled, sizeof random_ - filled, 0);
+          if (got < 0 && errno != EINTR)
+            throw std::runtime_error("getrandom failed: cannot draw a context id");
           if (got > 0) filled += static_cast<size_t>(got);
         }
         next_random_ = 0;

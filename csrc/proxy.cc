@@ -17,10 +17,10 @@ namespace ortbridge {
 namespace {
 std::atomic<bool> g_shutdown{false};
 thread_local std::vector<RunScope> t_run_scopes;  // innermost last
-thread_local int t_kernel_depth = 0;             // kernel calls holding a KernelGil on this thread
+thread_local int t_kernel_depth = 0;              // kernel calls holding a KernelGil on this thread
 
 void SetGradMode(bool enabled) { Call(Torch().set_grad_enabled, {enabled ? Py_True : Py_False}); }
-}
+}  // namespace
 
 PythonContextPool& Contexts() {
   static auto* pool = new PythonContextPool;  // never destroyed: entries must die under the GIL
@@ -89,7 +89,8 @@ void RequirePython() {
 
 py::module_ Runner() {
   PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<py::module_> runner;
-  return runner.call_once_and_store_result([] { return py::module_::import("ortbridge._runner"); }).get_stored();
+  return runner.call_once_and_store_result([] { return py::module_::import("ortbridge._runner"); })
+      .get_stored();
 }
 
 const TorchCalls& Torch() {
@@ -115,8 +116,8 @@ const TorchCalls& Torch() {
 
 py::object Call(py::handle f, std::initializer_list<py::handle> args) {
   static_assert(sizeof(py::handle) == sizeof(PyObject*), "a handle is its pointer");
-  PyObject* returned = PyObject_Vectorcall(f.ptr(), reinterpret_cast<PyObject* const*>(args.begin()), args.size(),
-                                           nullptr);
+  PyObject* returned =
+      PyObject_Vectorcall(f.ptr(), reinterpret_cast<PyObject* const*>(args.begin()), args.size(), nullptr);
   if (!returned) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(returned);
 }
@@ -145,7 +146,8 @@ ReturnedList ReturnedItems(PyObject* returned) {
   if (PyObject_TypeCheck(returned, Torch().tensor_type)) return {returned};
   ReturnedList items;
   if (PyTuple_CheckExact(returned)) {
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(returned); ++i) items.push_back(PyTuple_GET_ITEM(returned, i));
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(returned); ++i)
+      items.push_back(PyTuple_GET_ITEM(returned, i));
   }
   return items;
 }

@@ -14,7 +14,8 @@ template <class Layout>
 class PythonKernel {
  public:
   PythonKernel(const OrtApi& api, const char* op, const std::string& node, Layout layout)
-      : api_(api), layout_(std::move(layout)),
+      : api_(api),
+        layout_(std::move(layout)),
         error_prefix_(std::string("ortbridge ") + op + " node '" + Printable(node) + "' (function '" +
                       Printable(layout_.func_name) + "'): ") {}
   ~PythonKernel() {
@@ -70,8 +71,8 @@ class PythonKernel {
 // unnamed (`wanted_by` says why a value is needed there) or declares another element type than
 // `type` (which `typed_by` gives), as "attribute 'output_tensor_types'".
 constexpr const char* kContextIdFormat = "the node format (a context id)";
-void CheckDeclared(const char* kind, size_t index, const DeclaredValue& value, int64_t type, const char* typed_by,
-                   const char* wanted_by);
+void CheckDeclared(const char* kind, size_t index, const DeclaredValue& value, int64_t type,
+                   const char* typed_by, const char* wanted_by);
 
 // Sets outputs [first, ...) from the node's output_tensor_types and output_tensor_ranks, except
 // that output j takes the shape of input reuse[j] when that entry is >= 0 and the input has the

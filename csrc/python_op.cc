@@ -39,9 +39,11 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
       TensorViews inputs;
       inputs.reserve(layout_.input_tensor_types.size());
       for (size_t i = 0; i < layout_.input_tensor_types.size(); ++i) {
-        inputs.push_back(ReadInput(api_, context, i, layout_.input_tensor_types[i], layout_.input_tensor_ranks[i]));
+        inputs.push_back(
+            ReadInput(api_, context, i, layout_.input_tensor_types[i], layout_.input_tensor_ranks[i]));
       }
-      KernelGil gil(layout_.training_mode && direct_.call);  // (a direct training call keeps them: CallDirect)
+      KernelGil gil(layout_.training_mode &&
+                    direct_.call);  // (a direct training call keeps them: CallDirect)
       try {
         StreamScope stream(api_, context, placement_, runner_);
         KernelOutputs writer(api_, context, placement_, runner_, *checked_outputs_);
@@ -50,10 +52,11 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
             writer.Redirect(output, &inputs[input]);
           }
         }
-        const bool lends = !layout_.training_mode && !placement_.via_torch();  // (an inference call on the CPU)
-        OutputLending lending = lends ? OutputLending(&writer, &layout_.output_tensor_types,
-                                                      &layout_.output_tensor_ranks, 1)
-                                      : OutputLending();
+        const bool lends =
+            !layout_.training_mode && !placement_.via_torch();  // (an inference call on the CPU)
+        OutputLending lending =
+            lends ? OutputLending(&writer, &layout_.output_tensor_types, &layout_.output_tensor_ranks, 1)
+                  : OutputLending();
         // (autograd context or None, output capsules..., [indices of inputs modified in place])
         py::tuple result = direct_.call ? CallDirect(inputs) : run_(BorrowInputs(inputs, placement_.device));
         const size_t n = layout_.output_tensor_types.size();
@@ -71,8 +74,11 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
         if (result.size() == n + 2) CheckInPlaceWrites(inputs, outputs, result[n + 1]);
         int64_t id = PythonContextPool::kNoContext;
         if (layout_.training_mode) {
-          SavedContext saved{py::reinterpret_borrow<py::object>(result[0]), {}, function_,
-                             {inputs.begin(), inputs.end()}, {outputs.begin(), outputs.end()}};
+          SavedContext saved{py::reinterpret_borrow<py::object>(result[0]),
+                             {},
+                             function_,
+                             {inputs.begin(), inputs.end()},
+                             {outputs.begin(), outputs.end()}};
           if (PyTuple_Check(saved.ctx.ptr())) {  // (ctx, what owns its node): see Context
             py::object pair = std::move(saved.ctx);
             saved.ctx = pair[py::int_(0)];
@@ -112,25 +118,26 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
                     "attribute 'training_mode'");
     }
     for (size_t j = 1; j < outputs.size(); ++j) {
-      CheckDeclared("output", j, outputs[j], layout_.output_tensor_types[j - 1], "attribute 'output_tensor_types'",
-                    "attribute 'output_tensor_types'");
+      CheckDeclared("output", j, outputs[j], layout_.output_tensor_types[j - 1],
+                    "attribute 'output_tensor_types'", "attribute 'output_tensor_types'");
     }
   }
 
   // A Function may write only into an input that the node declares updated in place (which then
   // views its output's buffer); any other input's buffer other nodes could read.
-  static void CheckInPlaceWrites(const TensorViews& inputs, const TensorViews& outputs,
-                                 py::handle modified) {
+  static void CheckInPlaceWrites(const TensorViews& inputs, const TensorViews& outputs, py::handle modified) {
     for (py::handle index : modified) {
       const size_t i = index.cast<size_t>();
       if (i >= inputs.size()) throw std::logic_error("the runner named an input the node does not have");
       const void* buffer = inputs[i].data;
-      if (std::none_of(outputs.begin(), outputs.end(), [&](const TensorView& o) { return o.data == buffer; })) {
-        throw std::runtime_error(
-            "the Function modified input " + std::to_string(i) +
-            " in place, but the node does not declare it updated in place (tensor_reuse_map), so other nodes may "
-            "see the change. Modify a copy instead (x = x.clone()), or export the model with ortbridge.export, "
-            "which declares the in-place updates it sees.");
+      if (std::none_of(outputs.begin(), outputs.end(),
+                       [&](const TensorView& o) { return o.data == buffer; })) {
+        throw std::runtime_error("the Function modified input " + std::to_string(i) +
+                                 " in place, but the node does not declare it updated in place "
+                                 "(tensor_reuse_map), so other nodes may "
+                                 "see the change. Modify a copy instead (x = x.clone()), or export the model "
+                                 "with ortbridge.export, "
+                                 "which declares the in-place updates it sees.");
       }
     }
   }
@@ -149,7 +156,8 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
     if (training) {
       for (size_t i = 0; i < inputs.size(); ++i) {
         // (the attribute's setter: requires_grad_() parses its arguments)
-        if (layout_.requires_grad[i] && PyObject_SetAttr(tensors[i].ptr(), torch.requires_grad.ptr(), Py_True) != 0) {
+        if (layout_.requires_grad[i] &&
+            PyObject_SetAttr(tensors[i].ptr(), torch.requires_grad.ptr(), Py_True) != 0) {
           throw py::error_already_set();
         }
       }
@@ -158,7 +166,8 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
     py::tuple args(argument_count);
     for (size_t i = 0; i < argument_count; ++i) {
       const int tensor = direct_.tensor_at[i];
-      PyObject* arg = tensor < 0 ? PyTuple_GET_ITEM(direct_.args.ptr(), i) : PyList_GET_ITEM(tensors.ptr(), tensor);
+      PyObject* arg =
+          tensor < 0 ? PyTuple_GET_ITEM(direct_.args.ptr(), i) : PyList_GET_ITEM(tensors.ptr(), tensor);
       PyTuple_SET_ITEM(args.ptr(), i, py::handle(arg).inc_ref().ptr());
     }
     std::optional<SavingScope> saving;
@@ -171,7 +180,8 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
     auto unchanged = [&](py::handle t) { return t.attr(torch.version).cast<int64_t>() == 0; };
     auto by_the_runner = [&] {
       CloseOpenSaving(DirectRunScope());  // (the runner's Python runs without them, as in `run`)
-      return runner_.attr("result")(outputs, tensors, training ? py::object(BorrowedSet(inputs)) : py::none());
+      return runner_.attr("result")(outputs, tensors,
+                                    training ? py::object(BorrowedSet(inputs)) : py::none());
     };
     if (items.size() != n || !std::all_of(tensors.begin(), tensors.end(), unchanged)) return by_the_runner();
     py::tuple result(n + 1);
@@ -237,7 +247,8 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
       direct_.args = direct[py::int_(1)];
       direct_.tensor_at.assign(py::len(direct_.args), -1);
       int tensor = 0;
-      for (py::handle position : direct[py::int_(2)]) direct_.tensor_at.at(position.cast<size_t>()) = tensor++;
+      for (py::handle position : direct[py::int_(2)])
+        direct_.tensor_at.at(position.cast<size_t>()) = tensor++;
       direct_.call = direct[py::int_(0)];
     }
     return runner;

@@ -42,15 +42,17 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
       std::optional<SavedContext> saved =
           Contexts().TakeIf(id, [&](const SavedContext& s) { return s.function == function_; });
       if (!saved) {
-        throw std::runtime_error("context id " + std::to_string(id) +
-                                 " is not a live context of this Function: its backward already ran, it was "
-                                 "released, its PythonOp ran with training_mode=0, or another Function made it");
+        throw std::runtime_error(
+            "context id " + std::to_string(id) +
+            " is not a live context of this Function: its backward already ran, it was "
+            "released, its PythonOp ran with training_mode=0, or another Function made it");
       }
       TensorViews grads;  // absent gradients stay empty
       grads.resize(layout_.input_tensor_types.size());
       for (size_t k = 0; k < layout_.grad_input_slots.size(); ++k) {
         size_t slot = layout_.grad_input_slots[k];
-        grads[slot] = ReadInput(api_, context, k + 1, layout_.input_tensor_types[slot], layout_.input_tensor_ranks[slot]);
+        grads[slot] = ReadInput(api_, context, k + 1, layout_.input_tensor_types[slot],
+                                layout_.input_tensor_ranks[slot]);
       }
       CheckMatchesForward(*saved);
       try {
@@ -60,9 +62,10 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
         // One capsule or None per gradient output; None where no gradient is wanted or the
         // Function gave none (written as zeros).
         const bool all_present = layout_.grad_input_slots.size() == layout_.input_tensor_types.size();
-        py::tuple result = direct_ && all_present && !saved->ctx.is_none()
-                               ? CallDirect(saved->ctx, grads)
-                               : run_(saved->ctx, BorrowInputs(grads, placement_.device), AbsentGradientShapes(*saved));
+        py::tuple result =
+            direct_ && all_present && !saved->ctx.is_none()
+                ? CallDirect(saved->ctx, grads)
+                : run_(saved->ctx, BorrowInputs(grads, placement_.device), AbsentGradientShapes(*saved));
         saved->ctx = py::object();  // release the context (and what it saved) before copying
         saved->node_owner = py::object();
         const size_t n = layout_.output_tensor_types.size();
@@ -93,16 +96,18 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
   friend class PythonKernel<BackwardLayout>;
 
   // Gradient outputs nobody wants may be left unnamed (ORT's format does so).
-  void CheckValues(const std::vector<DeclaredValue>& inputs, const std::vector<DeclaredValue>& outputs) const {
-    CheckDeclared("input", 0, inputs[0], ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, kContextIdFormat, kContextIdFormat);
+  void CheckValues(const std::vector<DeclaredValue>& inputs,
+                   const std::vector<DeclaredValue>& outputs) const {
+    CheckDeclared("input", 0, inputs[0], ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, kContextIdFormat,
+                  kContextIdFormat);
     for (size_t k = 1; k < inputs.size(); ++k) {
       CheckDeclared("input", k, inputs[k], layout_.input_tensor_types[layout_.grad_input_slots[k - 1]],
                     "attribute 'input_tensor_types'", "attribute 'input_tensor_present'");
     }
     for (size_t i = 0; i < outputs.size(); ++i) {
       if (layout_.output_requires_grad[i]) {
-        CheckDeclared("output", i, outputs[i], layout_.output_tensor_types[i], "attribute 'output_tensor_types'",
-                      "attribute 'output_tensor_requires_grads'");
+        CheckDeclared("output", i, outputs[i], layout_.output_tensor_types[i],
+                      "attribute 'output_tensor_types'", "attribute 'output_tensor_requires_grads'");
       }
     }
   }
@@ -112,10 +117,11 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
   void CheckMatchesForward(const SavedContext& saved) const {
     if (saved.outputs.size() != layout_.input_tensor_types.size() ||
         saved.inputs.size() != layout_.output_tensor_types.size()) {
-      throw std::runtime_error("the node takes gradients for " + std::to_string(layout_.input_tensor_types.size()) +
-                               " outputs and gives " + std::to_string(layout_.output_tensor_types.size()) +
-                               ", but the forward of this context had " + std::to_string(saved.outputs.size()) +
-                               " outputs and " + std::to_string(saved.inputs.size()) + " tensor inputs");
+      throw std::runtime_error(
+          "the node takes gradients for " + std::to_string(layout_.input_tensor_types.size()) +
+          " outputs and gives " + std::to_string(layout_.output_tensor_types.size()) +
+          ", but the forward of this context had " + std::to_string(saved.outputs.size()) + " outputs and " +
+          std::to_string(saved.inputs.size()) + " tensor inputs");
     }
     for (size_t i = 0; i < saved.inputs.size(); ++i) {
       if (saved.inputs[i].elem_type != layout_.output_tensor_types[i]) {
@@ -145,7 +151,8 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
 
   int64_t ContextId(OrtKernelContext* context) const {
     TensorView t;
-    if (!GetInputTensor(api_, context, 0, &t)) throw std::runtime_error("input 0 (the context id) is missing");
+    if (!GetInputTensor(api_, context, 0, &t))
+      throw std::runtime_error("input 0 (the context id) is missing");
     int64_t count = 1;
     for (int64_t d : t.shape) count *= d;
     if (t.elem_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 || count != 1) {
@@ -184,7 +191,8 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
   py::object MakeRunner(const std::string& device) {  // GIL held
     py::object runner = Runner().attr("BackwardNode")(layout_, device);
     py::object direct = runner.attr("direct");
-    if (!direct.is_none() && !placement_.via_torch()) direct_ = direct;  // (the device path: `run`, as on CUDA)
+    if (!direct.is_none() && !placement_.via_torch())
+      direct_ = direct;  // (the device path: `run`, as on CUDA)
     return runner;
   }
 };

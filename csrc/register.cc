@@ -75,8 +75,8 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   const OrtApi* api = api_base->GetApi(kOrtApiVersion);
   if (!api || !IsSupportedOrtVersion(api_base->GetVersionString())) {
     return api_base->GetApi(1)->CreateStatus(
-        ORT_FAIL, ("ortbridge needs ONNX Runtime 1." + std::to_string(kMinOrtMinorVersion) + " or newer; this is " +
-                   api_base->GetVersionString())
+        ORT_FAIL, ("ortbridge needs ONNX Runtime 1." + std::to_string(kMinOrtMinorVersion) +
+                   " or newer; this is " + api_base->GetVersionString())
                       .c_str());
   }
   static std::once_flag once;

@@ -27,7 +27,8 @@ py::object Pack(py::handle t) {
   if (!t_borrowed.empty()) {
     const auto data = t.attr(hooks.data_ptr)().cast<uintptr_t>();
     const BorrowedBuffers& borrowed = t_borrowed.back();
-    if (std::any_of(borrowed.begin(), borrowed.end(), [&](const BorrowedBuffer& b) { return b.Holds(data); })) {
+    if (std::any_of(borrowed.begin(), borrowed.end(),
+                    [&](const BorrowedBuffer& b) { return b.Holds(data); })) {
       return hooks.kept_from_borrowed(t);
     }
   }

@@ -156,9 +156,14 @@ def build_extension():
     (ORTBRIDGE_VERBOSE_BUILD=1 shows the compiler's commands)."""
     from torch.utils.cpp_extension import load_inline
 
-    return load_inline(name=EXTENSION_NAME, cpp_sources=CPP_SOURCE, cuda_sources=CUDA_SOURCE,
-                       functions=["scaled_gelu_forward", "scaled_gelu_backward"], extra_cuda_cflags=["-O3"],
-                       verbose=os.environ.get("ORTBRIDGE_VERBOSE_BUILD") == "1")
+    return load_inline(
+        name=EXTENSION_NAME,
+        cpp_sources=CPP_SOURCE,
+        cuda_sources=CUDA_SOURCE,
+        functions=["scaled_gelu_forward", "scaled_gelu_backward"],
+        extra_cuda_cflags=["-O3"],
+        verbose=os.environ.get("ORTBRIDGE_VERBOSE_BUILD") == "1",
+    )
 
 
 @ortbridge.register
@@ -227,8 +232,9 @@ def inference(path: str) -> bool:
     out = torch.empty_like(eager)
     binding = session.io_binding()
     binding.bind_input(session.get_inputs()[0].name, "cuda", x.device.index, np.float32, list(x.shape), x.data_ptr())
-    binding.bind_output(session.get_outputs()[0].name, "cuda", out.device.index, np.float32, list(out.shape),
-                        out.data_ptr())
+    binding.bind_output(
+        session.get_outputs()[0].name, "cuda", out.device.index, np.float32, list(out.shape), out.data_ptr()
+    )
     torch.cuda.current_stream().synchronize()
     session.run_with_iobinding(binding)
     diff_bound = float((out - eager).abs().max())
@@ -268,8 +274,10 @@ def training(steps: int = 5) -> bool:
 def main() -> int:
     reason = missing()
     if reason is not None:
-        print(f"cuda_function.py: nothing run: {reason}. This example needs an NVIDIA GPU, a CUDA build of "
-              "torch, nvcc and onnxruntime-gpu (pip install 'ortbridge[gpu]').")
+        print(
+            f"cuda_function.py: nothing run: {reason}. This example needs an NVIDIA GPU, a CUDA build of "
+            "torch, nvcc and onnxruntime-gpu (pip install 'ortbridge[gpu]')."
+        )
         return 0
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__} (CUDA {torch.version.cuda})")
     print("building the CUDA extension (cached after the first build)...", flush=True)

@@ -61,8 +61,11 @@ def main():
         model = DDP(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if rank == 0:
-        print(f"{dist.get_backend()} on {device}, {'FSDP2' if args.fsdp else 'DDP'}, "
-              f"{'eager' if args.eager else 'OrtModule'} blocks", flush=True)
+        print(
+            f"{dist.get_backend()} on {device}, {'FSDP2' if args.fsdp else 'DDP'}, "
+            f"{'eager' if args.eager else 'OrtModule'} blocks",
+            flush=True,
+        )
     generator = torch.Generator(device=device).manual_seed(rank)  # each rank its own data
     for step in range(args.steps):
         x = torch.randn(32, 16, device=device, generator=generator)

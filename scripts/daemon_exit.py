@@ -26,7 +26,6 @@ def child(case: str) -> None:
     import time
 
     import numpy as np
-    import onnx
     import torch
     from onnx import TensorProto, helper
 
@@ -45,23 +44,42 @@ def child(case: str) -> None:
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [256, 256])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
     if case == "ortbridge":
-        nodes = [helper.make_node("PythonOp", ["x"], ["", "y"], domain="ortbridge", func_name="exit.Sleepy",
-                                  input_convention="d", input_tensor_types=[1], output_tensor_types=[1],
-                                  output_tensor_ranks=[2])]
+        nodes = [
+            helper.make_node(
+                "PythonOp",
+                ["x"],
+                ["", "y"],
+                domain="ortbridge",
+                func_name="exit.Sleepy",
+                input_convention="d",
+                input_tensor_types=[1],
+                output_tensor_types=[1],
+                output_tensor_ranks=[2],
+            )
+        ]
     else:  # ONNX Runtime's own ops only: a long loop of matrix products
         body = helper.make_graph(
             [helper.make_node("MatMul", ["v", "v"], ["w"]), helper.make_node("Identity", ["c"], ["c_out"])],
-            "body", [helper.make_tensor_value_info("i", TensorProto.INT64, []),
-                     helper.make_tensor_value_info("c", TensorProto.BOOL, []),
-                     helper.make_tensor_value_info("v", TensorProto.FLOAT, None)],
-            [helper.make_tensor_value_info("c_out", TensorProto.BOOL, []),
-             helper.make_tensor_value_info("w", TensorProto.FLOAT, None)])
-        nodes = [helper.make_node("Constant", [], ["n"], value=helper.make_tensor("n", TensorProto.INT64, [], [10**9])),
-                 helper.make_node("Constant", [], ["t"], value=helper.make_tensor("t", TensorProto.BOOL, [], [1])),
-                 helper.make_node("Loop", ["n", "t", "x"], ["y"], body=body)]
+            "body",
+            [
+                helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+                helper.make_tensor_value_info("v", TensorProto.FLOAT, None),
+            ],
+            [
+                helper.make_tensor_value_info("c_out", TensorProto.BOOL, []),
+                helper.make_tensor_value_info("w", TensorProto.FLOAT, None),
+            ],
+        )
+        nodes = [
+            helper.make_node("Constant", [], ["n"], value=helper.make_tensor("n", TensorProto.INT64, [], [10**9])),
+            helper.make_node("Constant", [], ["t"], value=helper.make_tensor("t", TensorProto.BOOL, [], [1])),
+            helper.make_node("Loop", ["n", "t", "x"], ["y"], body=body),
+        ]
     graph = helper.make_graph(nodes, "exit", [x], [y])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ortbridge", 1)],
-                              ir_version=8)
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ortbridge", 1)], ir_version=8
+    )
     sess = ortbridge.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     feed = {"x": np.full((256, 256), 1e-3, np.float32)}
     threading.Thread(target=sess.run, args=(None, feed), daemon=True).start()
@@ -82,7 +100,7 @@ def classify(result: subprocess.CompletedProcess) -> str:
     lines = text.splitlines()
     for i, line in enumerate(lines):
         if "unwind_cleanup" in line or "std::terminate" in line or "__cxa_call_terminate" in line:
-            for frame in lines[i + 1:i + 4]:
+            for frame in lines[i + 1 : i + 4]:
                 for lib in ("ortbridge", "_C.cpython", "onnxruntime", "libpython", "libstdc++"):
                     if lib in frame:
                         return "aborted in " + ("ortbridge" if lib in ("ortbridge", "_C.cpython") else lib)
@@ -101,15 +119,16 @@ def main() -> int:
         return 0
     command = [sys.executable, os.path.abspath(__file__), "--child", "--case", args.case]
     if shutil.which("gdb"):
-        command = ["gdb", "-q", "-batch", "-ex", "set pagination off", "-ex", "run", "-ex", "bt 12",
-                   "--args", *command]
+        command = ["gdb", "-q", "-batch", "-ex", "set pagination off", "-ex", "run", "-ex", "bt 12", "--args", *command]
     outcomes = collections.Counter()
     with tempfile.TemporaryDirectory() as cwd:
         for _ in range(args.exits):
             result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=cwd)
             outcomes[classify(result)] += 1
-    print(f"{args.exits} exits with a daemon thread inside "
-          f"{'a Function (ortbridge kernel)' if args.case == 'ortbridge' else 'run() of ORT-only ops'}:")
+    print(
+        f"{args.exits} exits with a daemon thread inside "
+        f"{'a Function (ortbridge kernel)' if args.case == 'ortbridge' else 'run() of ORT-only ops'}:"
+    )
     for outcome, count in outcomes.most_common():
         print(f"  {count:4d}  {outcome}")
     return 1 if outcomes["aborted in ortbridge"] else 0

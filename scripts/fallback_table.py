@@ -16,14 +16,24 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
 
-import ortbridge  # noqa: E402
 import test_layers  # noqa: E402
+
+import ortbridge  # noqa: E402
 
 
 def fallback_ops(wrapped, kind: int) -> list[str]:
     sessions = [c.sessions[kind] for cs in wrapped._captures.values() for c in cs if len(c.sessions) > kind]
-    return sorted({a.s.decode() for s in sessions if s.model is not None for n in s.model.graph.node
-                   if n.domain == "ortbridge" for a in n.attribute if a.name == "func_name" and b"::" in a.s})
+    return sorted(
+        {
+            a.s.decode()
+            for s in sessions
+            if s.model is not None
+            for n in s.model.graph.node
+            if n.domain == "ortbridge"
+            for a in n.attribute
+            if a.name == "func_name" and b"::" in a.s
+        }
+    )
 
 
 def main() -> int:
@@ -43,13 +53,15 @@ def main() -> int:
         print(rows[-1], flush=True)
     ops = sorted({op for row in rows for op in row.replace(",", " ").split() if "::" in op})
     with open(os.path.join(ROOT, "docs", "fallback.md"), "w") as f:
-        f.write("# Operators run by PyTorch inside ONNX Runtime graphs (the fallback)\n\n"
-                "Written by `python3 scripts/fallback_table.py` (torch " + torch.__version__ + "): each layer of the\n"
-                "per-layer test table (`tests/python/test_layers.py`) captured by `ortbridge.OrtModule`,\n"
-                "forward and backward, and the operators its graphs run as fallback nodes. Every other\n"
-                "operator is written by torch's ONNX exporter (directly or decomposed) and run by ONNX Runtime.\n\n"
-                f"Operators seen: {', '.join(f'`{op}`' for op in ops)}.\n\n"
-                "| layer | forward graph | backward graph |\n|---|---|---|\n" + "\n".join(rows) + "\n")
+        f.write(
+            "# Operators run by PyTorch inside ONNX Runtime graphs (the fallback)\n\n"
+            "Written by `python3 scripts/fallback_table.py` (torch " + torch.__version__ + "): each layer of the\n"
+            "per-layer test table (`tests/python/test_layers.py`) captured by `ortbridge.OrtModule`,\n"
+            "forward and backward, and the operators its graphs run as fallback nodes. Every other\n"
+            "operator is written by torch's ONNX exporter (directly or decomposed) and run by ONNX Runtime.\n\n"
+            f"Operators seen: {', '.join(f'`{op}`' for op in ops)}.\n\n"
+            "| layer | forward graph | backward graph |\n|---|---|---|\n" + "\n".join(rows) + "\n"
+        )
     return 0
 
 

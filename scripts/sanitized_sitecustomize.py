@@ -6,6 +6,7 @@ files, so a finder put first here is asked first. The wrapper copies this file i
 build/sanitized/pyshim/ and names the module in ORTBRIDGE_SANITIZED_C; child processes inherit
 both (not under python -I or -S, which skip PYTHONPATH or site).
 """
+
 import os
 import sys
 

@@ -7,6 +7,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 
+# Formatting and lint first (pyproject.toml's [tool.ruff], .clang-format): a change they would make
+# fails here (`ruff format . && ruff check --fix .`, `clang-format -i <files>` apply them).
+$PYTHON -m ruff format --check --quiet .
+$PYTHON -m ruff check --quiet .
+$PYTHON -c 'import sys, clang_format; sys.argv[0] = "clang-format"; clang_format.clang_format()' \
+  --dry-run -Werror csrc/*.cc csrc/*.h tests/cpp/*.cc tests/fuzz/*.cc
+
 build=build/cpp-tests
 cmake -S . -B "$build" -DORTBRIDGE_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DPython_EXECUTABLE="$(command -v "$PYTHON")" -Dpybind11_DIR="$($PYTHON -m pybind11 --cmakedir)" >/dev/null

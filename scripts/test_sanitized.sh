@@ -36,7 +36,7 @@ scripts/with_sanitizers.sh "$PYTHON" -m pytest -q -p no:cacheprovider --capture=
   "$@"
 # Interpreter exit while a daemon thread is inside a kernel: the thread's forced unwind runs the
 # kernel's destructors after CPython has freed the thread's state (KernelGil). The process then
-# aborts in ONNX Runtime's own run() (README, Untrusted models); only a sanitizer report fails here,
+# aborts in ONNX Runtime's own run() (docs/untrusted_models.md); only a sanitizer report fails here,
 # but for gcc's false report on a forced unwind (scripts/asan_suppressions.txt).
 out=$(ASAN_OPTIONS=suppressions=$PWD/scripts/asan_suppressions.txt \
   scripts/with_sanitizers.sh "$PYTHON" scripts/daemon_exit.py --child --case ortbridge 2>&1 || true)

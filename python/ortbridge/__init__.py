@@ -12,9 +12,25 @@ from .runtime import InferenceSession, context_pool_size, library_path, release_
 from .tools import onnxruntime_tools
 
 __all__ = [
-    "CaptureError", "ExportError", "InferenceSession", "OnnxModule", "OrtGradientForwardBackward", "OrtModule", "UnknownFunctionError", "allow_operators", "context_pool_size",
-    "convert_from_ortmodule", "export", "library_path", "onnxruntime_tools", "pin_object", "register", "registered_names",
-    "release_context", "session_options", "unregister",
+    "CaptureError",
+    "ExportError",
+    "InferenceSession",
+    "OnnxModule",
+    "OrtGradientForwardBackward",
+    "OrtModule",
+    "UnknownFunctionError",
+    "allow_operators",
+    "context_pool_size",
+    "convert_from_ortmodule",
+    "export",
+    "library_path",
+    "onnxruntime_tools",
+    "pin_object",
+    "register",
+    "registered_names",
+    "release_context",
+    "session_options",
+    "unregister",
 ]
 
 
@@ -22,5 +38,6 @@ def __getattr__(name: str):
     # Training pulls in AOTAutograd and dynamo (over a second to import): only when asked for.
     if name in ("CaptureError", "OrtModule", "OnnxModule", "OrtGradientForwardBackward"):
         from . import training
+
         return getattr(training, name)
     raise AttributeError(f"module 'ortbridge' has no attribute {name!r}")

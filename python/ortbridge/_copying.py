@@ -16,5 +16,7 @@ class NotCopyable:
     __slots__ = ()
 
     def __reduce_ex__(self, protocol):
-        raise TypeError(f"{type(self).__module__}.{type(self).__qualname__} cannot be copied or pickled: it holds "
-                        "ONNX Runtime state or a traced graph of this process (make a new one instead)")
+        raise TypeError(
+            f"{type(self).__module__}.{type(self).__qualname__} cannot be copied or pickled: it holds "
+            "ONNX Runtime state or a traced graph of this process (make a new one instead)"
+        )

@@ -27,8 +27,10 @@ def numpy_type(dtype: torch.dtype):
     try:
         return _NUMPY[dtype]
     except KeyError:
-        raise TypeError(f"{dtype} has no numpy type, which ONNX Runtime's IOBinding needs"
-                        f"{' (onnxruntime 1.20 or later binds it)' if dtype is torch.bfloat16 else ''}") from None
+        raise TypeError(
+            f"{dtype} has no numpy type, which ONNX Runtime's IOBinding needs"
+            f"{' (onnxruntime 1.20 or later binds it)' if dtype is torch.bfloat16 else ''}"
+        ) from None
 
 
 _NUMPY = {d: torch.empty(0, dtype=d).numpy().dtype for d in TO_ONNX if d is not torch.bfloat16}

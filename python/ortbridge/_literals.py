@@ -50,11 +50,14 @@ def encode(values: list) -> str:
 
 def _untag(obj: dict):
     if len(obj) == 1:
-        (tag, body), = obj.items()
+        ((tag, body),) = obj.items()
         if tag == "tuple" and isinstance(body, list):
             return tuple(body)
-        if tag == "dict" and isinstance(body, list) and all(
-                isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in body):
+        if (
+            tag == "dict"
+            and isinstance(body, list)
+            and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in body)
+        ):
             return dict(body)
         if tag == "dtype" and isinstance(body, str) and body in _dtypes.BY_NAME:
             return _dtypes.BY_NAME[body]

@@ -79,8 +79,9 @@ def _export_tensor(t, owner: str, index: int, device: torch.device):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what} is {type(t).__name__}; expected a torch.Tensor")
     if t.layout != torch.strided:
-        raise RuntimeError(f"{what} is a {t.layout} tensor; ONNX Runtime takes dense tensors only "
-                           "(return t.to_dense())")
+        raise RuntimeError(
+            f"{what} is a {t.layout} tensor; ONNX Runtime takes dense tensors only (return t.to_dense())"
+        )
     provider = "the CPU execution provider" if device.type == "cpu" else f"{device} (the CUDA execution provider)"
     raise RuntimeError(f"{what} is on {t.device}, but this kernel runs on {provider}")
 
@@ -92,6 +93,7 @@ def _forward_without_autograd(func: type, argument_count: int):
     forward = func.forward
     setup_context = func.setup_context
     if uses_setup_context(func):
+
         def call(*args):
             output = forward(*args)
             ctx = FunctionCtx()
@@ -99,10 +101,12 @@ def _forward_without_autograd(func: type, argument_count: int):
             setup_context(ctx, args, output)
             return output
     else:
+
         def call(*args):
             ctx = FunctionCtx()
             ctx.needs_input_grad = needs_input_grad
             return forward(ctx, *args)
+
     return call
 
 
@@ -145,8 +149,11 @@ class _Node:
             return None
         torch_stream = self._streams.get(stream)
         if torch_stream is None:  # (ExternalStream does not own ORT's stream)
-            torch_stream = self._streams[stream] = (torch.cuda.ExternalStream(stream, device=self.device) if stream
-                                                    else torch.cuda.default_stream(self.device))
+            torch_stream = self._streams[stream] = (
+                torch.cuda.ExternalStream(stream, device=self.device)
+                if stream
+                else torch.cuda.default_stream(self.device)
+            )
         previous = torch.cuda.current_device(), torch.cuda.current_stream(self.device)
         torch.cuda.set_stream(torch_stream)  # (which also makes its device current)
         return previous
@@ -214,8 +221,7 @@ class ForwardNode(_Node):
         if grad_was_enabled != training:
             _set_grad_enabled(training)
         try:
-            outputs = (self.fast_call(*args) if self.fast_call and not _functorch_active()
-                       else self.apply(*args))
+            outputs = self.fast_call(*args) if self.fast_call and not _functorch_active() else self.apply(*args)
         finally:
             if grad_was_enabled != training:
                 _set_grad_enabled(grad_was_enabled)
@@ -232,13 +238,18 @@ class ForwardNode(_Node):
         elif type(outputs) is not tuple:
             outputs = _as_tuple(outputs, f"{self.name}.forward")
         if len(outputs) != self.output_count:
-            raise RuntimeError(f"{self.name}.forward returned {len(outputs)} outputs, but the node declares "
-                               f"{self.output_count} (output_tensor_types)")
+            raise RuntimeError(
+                f"{self.name}.forward returned {len(outputs)} outputs, but the node declares "
+                f"{self.output_count} (output_tensor_types)"
+            )
         result = [self._context(outputs, borrowed) if borrowed is not None else None]
         on_cpu = self.on_cpu
         for i, o in enumerate(outputs):
-            result.append(_to_dlpack(o) if on_cpu and isinstance(o, torch.Tensor) and o.is_cpu
-                          and o.layout == torch.strided else _export_tensor(o, self.forward_output, i, self.device))
+            result.append(
+                _to_dlpack(o)
+                if on_cpu and isinstance(o, torch.Tensor) and o.is_cpu and o.layout == torch.strided
+                else _export_tensor(o, self.forward_output, i, self.device)
+            )
         for t in tensors:
             if t._version:  # the Function wrote into one of ORT's buffers: rare, checked in full
                 result.append(self._modified_inputs(tensors, outputs))
@@ -283,7 +294,8 @@ class ForwardNode(_Node):
             if tensors[i].data_ptr() not in returned:
                 raise RuntimeError(
                     f"{self.name}.forward modified input {i} in place without returning it; ONNX Runtime may "
-                    "still read that buffer. Modify a copy instead (x = x.clone()).")
+                    "still read that buffer. Modify a copy instead (x = x.clone())."
+                )
         return modified
 
 
@@ -329,8 +341,10 @@ class BackwardNode(_Node):
         self.name = registry.qualified_name(self.func)
         self.backward_value = f"{self.name}.backward value"
         self.argument_count = len(layout.output_convention)
-        self.outputs = [position if wanted else None
-                        for position, wanted in zip(layout.output_positions, layout.output_requires_grad)]
+        self.outputs = [
+            position if wanted else None
+            for position, wanted in zip(layout.output_positions, layout.output_requires_grad)
+        ]
         self.no_gradients = (None,) * len(self.outputs)
         # What the kernel calls itself on the CPU when every gradient input is present
         # (python_op_grad.cc, CallDirect), ending in `result` for anything unusual; None where
@@ -361,11 +375,17 @@ class BackwardNode(_Node):
         """What `run` returns, from what backward returned."""
         if type(results) is not tuple:
             results = _as_tuple(results, f"{self.name}.backward")
-        if len(results) != self.argument_count and not (  # (extra trailing Nones: torch accepts them)
-                len(results) > self.argument_count and all(r is None for r in results[self.argument_count:])):
-            raise RuntimeError(f"{self.name}.backward returned {len(results)} values, but forward takes "
-                               f"{self.argument_count} arguments: return one gradient (or None) per "
-                               "forward argument")
+        if (
+            len(results) != self.argument_count
+            and not (  # (extra trailing Nones: torch accepts them)
+                len(results) > self.argument_count and all(r is None for r in results[self.argument_count :])
+            )
+        ):
+            raise RuntimeError(
+                f"{self.name}.backward returned {len(results)} values, but forward takes "
+                f"{self.argument_count} arguments: return one gradient (or None) per "
+                "forward argument"
+            )
         gradients = []
         for position in self.outputs:
             g = None if position is None else results[position]

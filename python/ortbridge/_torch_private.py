@@ -25,10 +25,13 @@ if RELEASE < OLDEST:
 try:
     # Autograd and grad mode, in the kernels' per-call path (plain C functions), and what the
     # exporters and the kernels share; all loaded with torch already.
+    # The TorchScript exporter's graph values and tracing state.
+    from torch._C import TensorType, Value, _storage_Use_Count
     from torch._C import _are_functorch_transforms_active as functorch_transforms_active
+    from torch._C import _get_tracing_state as get_tracing_state
     from torch._C import _is_any_autocast_enabled as is_any_autocast_enabled
     from torch._C import _set_grad_enabled as set_grad_enabled
-    from torch._C import _storage_Use_Count
+    from torch._C import _set_tracing_state as set_tracing_state
     from torch._C._autograd import _pop_saved_tensors_default_hooks as pop_saved_tensors_default_hooks
     from torch._C._autograd import _push_saved_tensors_default_hooks as push_saved_tensors_default_hooks
     from torch._C._autograd import _saved_tensors_hooks_is_enabled as saved_tensors_hooks_enabled
@@ -37,11 +40,6 @@ try:
     from torch.utils import _pytree as pytree
     from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    # The TorchScript exporter's graph values and tracing state.
-    from torch._C import TensorType, Value
-    from torch._C import _get_tracing_state as get_tracing_state
-    from torch._C import _set_tracing_state as set_tracing_state
 except ImportError as e:
     raise ImportError(f"ortbridge does not know torch {torch.__version__}: {e} (supported: torch 2.9 to 2.15)") from e
 
@@ -80,8 +78,10 @@ def __getattr__(name: str):
         value = importlib.import_module(module)
         value = value if attribute is None else getattr(value, attribute)
     except (ImportError, AttributeError) as e:
-        raise ImportError(f"ortbridge does not know torch {torch.__version__}: it has no {module}"
-                          f"{'' if attribute is None else '.' + attribute} (supported: torch 2.9 to 2.15)") from e
+        raise ImportError(
+            f"ortbridge does not know torch {torch.__version__}: it has no {module}"
+            f"{'' if attribute is None else '.' + attribute} (supported: torch 2.9 to 2.15)"
+        ) from e
     globals()[name] = value
     return value
 
@@ -160,8 +160,7 @@ else:
     _APPLY = torch.autograd.Function.__dict__["apply"].__func__
     _TORCH_CODE = _APPLY.__code__
     # torch's apply as a function object of its own (its zero-argument super() reads the same cell).
-    torch_apply = types.FunctionType(_TORCH_CODE, _APPLY.__globals__, "apply", _APPLY.__defaults__,
-                                     _APPLY.__closure__)
+    torch_apply = types.FunctionType(_TORCH_CODE, _APPLY.__globals__, "apply", _APPLY.__defaults__, _APPLY.__closure__)
 
     def _routing_code() -> types.CodeType:
         __class__ = None  # (a cell of that name: the closure of torch's apply fits this code)
@@ -188,6 +187,7 @@ else:
 # A PythonOp node of `func` stands for what `super().apply` reached in an override of apply (the
 # override's own work is in the graph around the node), so what runs it is torch's apply bound to
 # `func`, whatever `func` overrides.
+
 
 def bound_apply(func: type):
     """torch's apply bound to `func`, routed as any apply is while ortbridge records or captures
@@ -224,6 +224,7 @@ CUSTOM_OP_AUTOGRAD_MODULE = "torch._library.autograd"
 # with an edge to it that saves no data: the grad_fn of a view of an output. From 2.13 ctx owns
 # its node (pytorch#179924), and nothing is needed. Which one this torch does is tried, not read
 # off its version (a build between releases may have either).
+
 
 class _Saves(torch.autograd.Function):
     @staticmethod
@@ -267,26 +268,30 @@ node_owner = None if CONTEXT_OWNS_NODE else _node_owner
 
 # --- AOTAutograd ---------------------------------------------------------------------------------
 
+
 @contextlib.contextmanager
 def capture_config():
     """AOTAutograd's settings for a capture: the backward graph compiled with the forward graph, not
-    at the first backward (a Step runs both), and no saved tensor a donated buffer (ORT reuses none;
-    AOTAutograd's runtime would refuse retain_graph for one), effect tokens made and consumed inside
-the forward graph, not its inputs and outputs (fallback.fold_error_checks removes them)."""
+        at the first backward (a Step runs both), and no saved tensor a donated buffer (ORT reuses none;
+        AOTAutograd's runtime would refuse retain_graph for one), effect tokens made and consumed inside
+    the forward graph, not its inputs and outputs (fallback.fold_error_checks removes them)."""
     from torch._functorch import aot_autograd
     from torch._functorch import config as functorch_config
 
     if hasattr(functorch_config, "force_non_lazy_backward_lowering"):
-        with functorch_config.patch(force_non_lazy_backward_lowering=True, donated_buffer=False,
-                                    unlift_effect_tokens=True):
+        with functorch_config.patch(
+            force_non_lazy_backward_lowering=True, donated_buffer=False, unlift_effect_tokens=True
+        ):
             yield
         return
     # torch 2.9: an argument of aot_module_simplified's preparation only, which it leaves at its default
     prepare = getattr(aot_autograd, "prepare_aot_module_simplified", None)
     defaults = getattr(prepare, "__kwdefaults__", None) or {}
     if "force_non_lazy_backward_lowering" not in defaults:
-        raise RuntimeError(f"ortbridge does not know torch {torch.__version__}: its AOTAutograd has no setting that "
-                           "compiles the backward graph with the forward graph (force_non_lazy_backward_lowering)")
+        raise RuntimeError(
+            f"ortbridge does not know torch {torch.__version__}: its AOTAutograd has no setting that "
+            "compiles the backward graph with the forward graph (force_non_lazy_backward_lowering)"
+        )
     prepare.__kwdefaults__ = {**defaults, "force_non_lazy_backward_lowering": True}
     try:
         with functorch_config.patch(donated_buffer=False, unlift_effect_tokens=True):
@@ -300,8 +305,11 @@ def saved_for_backward(meta) -> tuple[slice, slice, slice]:
     (tensors saved with a version check, tensors saved without one, symbolic ints). Before 2.11
     every saved tensor is checked."""
     if hasattr(type(meta), "tensors_saved_for_backwards_with_vc_check_slice"):
-        return (meta.tensors_saved_for_backwards_with_vc_check_slice,
-                meta.tensors_saved_for_backwards_no_vc_check_slice, meta.symints_saved_for_backwards_slice)
+        return (
+            meta.tensors_saved_for_backwards_with_vc_check_slice,
+            meta.tensors_saved_for_backwards_no_vc_check_slice,
+            meta.symints_saved_for_backwards_slice,
+        )
     return meta.tensors_saved_for_backwards_slice, slice(0, 0), meta.symints_saved_for_backwards_slice
 
 
@@ -317,6 +325,7 @@ def is_tangent(output_info) -> bool:
 
 
 # --- torch's ONNX exporter ----------------------------------------------------------------------
+
 
 def onnx_opsets(opset_version: int | None) -> tuple[int, int]:
     """(the model's opset, its translations' opset) as torch.onnx.export(dynamo=True) picks them:
@@ -362,6 +371,7 @@ def onnx_exporter() -> types.SimpleNamespace:
     """The private functions of torch's exporter that an export of a decomposed program calls.
     `export` (torch.onnx.export's own call) and `translate` (with the steps around it, from
     _core.export's code) are None where this torch lacks them, or their `registry` parameter."""
+
     def taking_registry(function):
         return function if "registry" in inspect.signature(function).parameters else None
 

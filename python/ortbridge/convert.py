@@ -31,8 +31,10 @@ def convert_from_ortmodule(model) -> onnx.ModelProto:
         proto = onnx.load(model)
     else:
         raise TypeError(f"convert_from_ortmodule takes a ModelProto, bytes or a path, not {type(model).__name__}")
-    for nodes, imports in [(proto.graph.node, proto.opset_import),
-                           *((f.node, f.opset_import) for f in proto.functions)]:  # each has its own imports
+    for nodes, imports in [
+        (proto.graph.node, proto.opset_import),
+        *((f.node, f.opset_import) for f in proto.functions),
+    ]:  # each has its own imports
         converted = _convert_nodes(nodes)
         _retarget_imports(imports, converted, still_ort=any(n.domain == _ORT_DOMAIN for n in _all_nodes(nodes)))
     return proto
@@ -66,7 +68,8 @@ def _convert_nodes(nodes) -> int:
             raise ValueError(
                 f"node {node.name!r} ({attrs['func_name'].s.decode()}) passes Python objects by their address in the "
                 "process that exported it (input_pointer_scalars); no other process can restore them. Re-export the "
-                "model with ortbridge.export, which stores plain values such as str and None in the graph.")
+                "model with ortbridge.export, which stores plain values such as str and None in the graph."
+            )
         node.domain = DOMAIN
         if node.op_type == "PythonOpGrad":
             _list_present_gradients(node, len(attrs["input_tensor_types"].ints) if "input_tensor_types" in attrs else 0)

@@ -75,8 +75,10 @@ def _resolve(func_name: str) -> OpOverload:
         raise LookupError(f"func_name '{func_name}' is not an operator name of the form namespace::op.overload")
     namespace, op, overload = match.groups()
     if not allowed(namespace):
-        raise LookupError(f"func_name '{func_name}': operators of namespace '{namespace}' are not allowed here "
-                          f"(allowed: {', '.join(sorted(_namespaces))}; ortbridge.allow_operators adds one)")
+        raise LookupError(
+            f"func_name '{func_name}': operators of namespace '{namespace}' are not allowed here "
+            f"(allowed: {', '.join(sorted(_namespaces))}; ortbridge.allow_operators adds one)"
+        )
     if _DENIED.match(op):
         raise LookupError(f"func_name '{func_name}': this operator is not allowed in a graph")
     packet = getattr(getattr(torch.ops, namespace), op, None) if not op.startswith("__") else None
@@ -120,8 +122,13 @@ def _batch_norm_into_outputs(op, input, weight, bias, running_mean, running_var,
     updates copies of the running statistics made in them. The functional call where a buffer
     is not lent (outside a kernel call, off the CPU, mixed dtypes) or is the input's own."""
     stats = running_mean.shape
-    wanted = [(input.shape, input.dtype), (stats, input.dtype), (stats, input.dtype),
-              (stats, running_mean.dtype), (stats, running_var.dtype)]
+    wanted = [
+        (input.shape, input.dtype),
+        (stats, input.dtype),
+        (stats, input.dtype),
+        (stats, running_mean.dtype),
+        (stats, running_var.dtype),
+    ]
     buffers = [_lent(i, shape, dtype) for i, (shape, dtype) in enumerate(wanted)] if training else [None]
     # (ORT may give the output the input's own buffer, where nothing else reads the input)
     if any(b is None for b in buffers) or buffers[0].data_ptr() == input.data_ptr():
@@ -129,8 +136,19 @@ def _batch_norm_into_outputs(op, input, weight, bias, running_mean, running_var,
     out, save_mean, save_invstd, new_mean, new_var = buffers
     new_mean.copy_(running_mean)
     new_var.copy_(running_var)
-    torch.ops.aten._native_batch_norm_legit.out(input, weight, bias, new_mean, new_var, training, momentum, eps,
-                                                out=out, save_mean=save_mean, save_invstd=save_invstd)
+    torch.ops.aten._native_batch_norm_legit.out(
+        input,
+        weight,
+        bias,
+        new_mean,
+        new_var,
+        training,
+        momentum,
+        eps,
+        out=out,
+        save_mean=save_mean,
+        save_invstd=save_invstd,
+    )
     return out, save_mean, save_invstd, new_mean, new_var
 
 
@@ -146,10 +164,15 @@ def _functionalized(op: OpOverload, *args, **kwargs):
     """`op` called as torch's functionalized traces call it (keywords only), on copies of what it
     writes into: its outputs, then those copies."""
     if args or any(name.startswith("_only_clone") for name in kwargs):  # (which would write in place)
-        raise TypeError(f"{name_of(op)} writes into its arguments: its node takes the keywords of a functionalized "
-                        "call (auto_functionalized), without _only_clone_these_* ")
-    hop = torch.ops.higher_order.auto_functionalized_v2 if "_all_bases" in kwargs else \
-        torch.ops.higher_order.auto_functionalized
+        raise TypeError(
+            f"{name_of(op)} writes into its arguments: its node takes the keywords of a functionalized "
+            "call (auto_functionalized), without _only_clone_these_* "
+        )
+    hop = (
+        torch.ops.higher_order.auto_functionalized_v2
+        if "_all_bases" in kwargs
+        else torch.ops.higher_order.auto_functionalized
+    )
     return hop(op, **kwargs)
 
 
@@ -177,8 +200,7 @@ def _make_function(func_name: str, op: OpOverload) -> type:
         raise RuntimeError(f"{func_name} runs as an operator node, which has no backward of its own")
 
     namespace, rest = func_name.split("::", 1)
-    cls = type(rest, (torch.autograd.Function,), {"forward": staticmethod(forward),
-                                                   "backward": staticmethod(backward)})
+    cls = type(rest, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
     cls.__module__ = namespace
     cls._ortbridge_name = func_name
     return cls

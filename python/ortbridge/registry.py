@@ -93,12 +93,17 @@ def _unknown(name: str) -> str:
     class_name = name.rsplit(".", 1)[-1]
     same_class = [(key, cls) for key, cls in sorted(_functions.items()) if cls.__name__ == class_name]
     if same_class:
-        return said + "".join(f" {qualified_name(cls)} is registered as '{key}': if the model means that class, "
-                              f"register it under the model's name too: ortbridge.register({cls.__qualname__}, "
-                              f"name='{name}')." for key, cls in same_class)
-    return (f"{said} Import the Function and register it under that name before creating the session: "
-            f"ortbridge.register(YourFunction, name='{name}'). (register(cls) alone uses its module and class name "
-            "where it is imported now, which need not be the model's.)")
+        return said + "".join(
+            f" {qualified_name(cls)} is registered as '{key}': if the model means that class, "
+            f"register it under the model's name too: ortbridge.register({cls.__qualname__}, "
+            f"name='{name}')."
+            for key, cls in same_class
+        )
+    return (
+        f"{said} Import the Function and register it under that name before creating the session: "
+        f"ortbridge.register(YourFunction, name='{name}'). (register(cls) alone uses its module and class name "
+        "where it is imported now, which need not be the model's.)"
+    )
 
 
 def pin_object(obj: object) -> int:
@@ -122,7 +127,8 @@ def pinned_object(key: int) -> object:
         raise LookupError(
             f"input_pointer_scalars refers to object key {key}, which no ortbridge.pin_object call "
             "made in this process; graphs holding Python objects run only in the process that "
-            "exported them") from None
+            "exported them"
+        ) from None
 
 
 def _track_materialize_grads(cls: type) -> None:

@@ -10,9 +10,11 @@ import numpy as np
 try:
     import onnxruntime as ort
 except ModuleNotFoundError as e:  # it comes from an extra: one of two packages that install it
-    raise ModuleNotFoundError("ortbridge needs ONNX Runtime: pip install 'ortbridge[cpu]' (onnxruntime) or "
-                              "'ortbridge[gpu]' (onnxruntime-gpu, with the CUDA execution provider)",
-                              name="onnxruntime") from e
+    raise ModuleNotFoundError(
+        "ortbridge needs ONNX Runtime: pip install 'ortbridge[cpu]' (onnxruntime) or "
+        "'ortbridge[gpu]' (onnxruntime-gpu, with the CUDA execution provider)",
+        name="onnxruntime",
+    ) from e
 
 from . import _C, _runner
 from ._copying import NotCopyable
@@ -41,8 +43,10 @@ def session_options(options: ort.SessionOptions | None = None, *, cuda_kernels: 
     registered = _config_entry(options, _REGISTERED_KEY) == "1"
     if not cuda_kernels and _config_entry(options, CPU_KERNELS_ONLY) != "1":
         if registered:
-            raise ValueError("these SessionOptions have the ortbridge kernels registered with the CUDA ones: "
-                             "ask for cuda_kernels=False on new SessionOptions")
+            raise ValueError(
+                "these SessionOptions have the ortbridge kernels registered with the CUDA ones: "
+                "ask for cuda_kernels=False on new SessionOptions"
+            )
         options.add_session_config_entry(CPU_KERNELS_ONLY, "1")
     if not registered:
         options.register_custom_ops_library(library_path())
@@ -110,8 +114,14 @@ def _binding_outputs(result, args, kwargs):
 class InferenceSession(NotCopyable, ort.InferenceSession):
     """onnxruntime.InferenceSession that can run ortbridge PythonOp/PythonOpGrad nodes."""
 
-    def __init__(self, path_or_bytes, sess_options: ort.SessionOptions | None = None, providers=None,
-                 provider_options=None, **kwargs):
+    def __init__(
+        self,
+        path_or_bytes,
+        sess_options: ort.SessionOptions | None = None,
+        providers=None,
+        provider_options=None,
+        **kwargs,
+    ):
         _runner.take_refusal()
         try:
             super().__init__(path_or_bytes, session_options(sess_options), providers, provider_options, **kwargs)

@@ -30,9 +30,12 @@ def onnxruntime_tools():
     It changes those two onnxruntime classes while it lasts, for every thread; one at a time.
     The tools run in this process, where the model's Functions are registered.
     """
-    with _lock, every_session_prepared(runtime.session_options), \
-            library_registered_once(runtime.library_path(), runtime.session_options), \
-            symbolic_shape_handlers(_infer_shapes, ("PythonOp", "PythonOpGrad")):
+    with (
+        _lock,
+        every_session_prepared(runtime.session_options),
+        library_registered_once(runtime.library_path(), runtime.session_options),
+        symbolic_shape_handlers(_infer_shapes, ("PythonOp", "PythonOpGrad")),
+    ):
         yield
 
 

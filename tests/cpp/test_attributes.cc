@@ -153,9 +153,9 @@ TEST_F(ForwardTest, ConstantsOfEveryKind) {
     std::vector<double> floats;
   };
   const std::vector<Want> want = {
-      {K::kBool, 0, {1}, {}},           {K::kInt, 2, {-7}, {}},       {K::kFloat, 3, {}, {0.5}},
-      {K::kBoolTuple, 4, {1, 0}, {}},   {K::kIntTuple, 5, {3, 4, 5}, {}}, {K::kFloatTuple, 6, {}, {2.0, 2.5}},
-      {K::kFloatTuple, 8, {}, {1.5}},   {K::kObject, 9, {123456789}, {}}, {K::kIntTuple, 10, {}, {}},
+      {K::kBool, 0, {1}, {}},         {K::kInt, 2, {-7}, {}},           {K::kFloat, 3, {}, {0.5}},
+      {K::kBoolTuple, 4, {1, 0}, {}}, {K::kIntTuple, 5, {3, 4, 5}, {}}, {K::kFloatTuple, 6, {}, {2.0, 2.5}},
+      {K::kFloatTuple, 8, {}, {1.5}}, {K::kObject, 9, {123456789}, {}}, {K::kIntTuple, 10, {}, {}},
   };
   ASSERT_EQ(f.constants.size(), want.size());
   for (size_t i = 0; i < want.size(); ++i) {
@@ -930,7 +930,8 @@ TEST(ElementTypes, SupportedSet) {
   EXPECT_STREQ(ElementTypeName(17), "unsupported");
   EXPECT_STREQ(ElementTypeName(-1), "unsupported");
   EXPECT_EQ(ElementSize(ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE), 8u);
-  EXPECT_FALSE(IsSupportedElementType(ONNX_TENSOR_ELEMENT_DATA_TYPE_COMPLEX64));  // ORT refuses it for custom ops
+  EXPECT_FALSE(
+      IsSupportedElementType(ONNX_TENSOR_ELEMENT_DATA_TYPE_COMPLEX64));  // ORT refuses it for custom ops
   EXPECT_EQ(ElementSize(ONNX_TENSOR_ELEMENT_DATA_TYPE_STRING), 0u);
 }
 
@@ -955,7 +956,8 @@ TEST_F(ForwardTest, RejectsMoreOutputDimensionsThanTheBound) {
   a.int_lists["output_tensor_types"] = std::vector<int64_t>(outputs_of_max_rank + 1, 1);
   a.int_lists["output_tensor_ranks"] = std::vector<int64_t>(outputs_of_max_rank + 1, kMaxRank);
   outputs = outputs_of_max_rank + 2;
-  EXPECT_TRUE(Fails("output_tensor_ranks", "at most " + std::to_string(kMaxOutputDims) + " are allowed per node"));
+  EXPECT_TRUE(
+      Fails("output_tensor_ranks", "at most " + std::to_string(kMaxOutputDims) + " are allowed per node"));
   a.int_lists["output_tensor_ranks"].back() = 0;  // exactly the bound
   EXPECT_NO_THROW(Parse());
   // Shape inference checks ranks no parse has seen: the sum must not overflow.
@@ -982,12 +984,13 @@ TEST_F(ForwardTest, EscapesConventionBytesInTheMessage) {
 
 TEST(Printable, KeepsUtf8AndEscapesTheRest) {
   EXPECT_EQ(Printable("plain.Name"), "plain.Name");
-  EXPECT_EQ(Printable("gr\xc3\xbc\xc3\x9f \xe2\x82\xac \xf0\x9f\x98\x80"), "gr\xc3\xbc\xc3\x9f \xe2\x82\xac \xf0\x9f\x98\x80");
+  EXPECT_EQ(Printable("gr\xc3\xbc\xc3\x9f \xe2\x82\xac \xf0\x9f\x98\x80"),
+            "gr\xc3\xbc\xc3\x9f \xe2\x82\xac \xf0\x9f\x98\x80");
   EXPECT_EQ(Printable(std::string("a\0b", 3)), "a\\x00b");
   EXPECT_EQ(Printable("\xff\n\x7f"), "\\xff\\x0a\\x7f");
-  EXPECT_EQ(Printable("\xc0\xaf"), "\\xc0\\xaf");          // overlong
+  EXPECT_EQ(Printable("\xc0\xaf"), "\\xc0\\xaf");           // overlong
   EXPECT_EQ(Printable("\xed\xa0\x80"), "\\xed\\xa0\\x80");  // a surrogate
-  EXPECT_EQ(Printable("\xe2\x82"), "\\xe2\\x82");          // truncated
+  EXPECT_EQ(Printable("\xe2\x82"), "\\xe2\\x82");           // truncated
   EXPECT_EQ(Printable(std::string(100000, 'f')), std::string(200, 'f') + "... (100000 bytes)");
 }
 

@@ -87,12 +87,14 @@ template <class T, auto Release>
 struct Releaser {
   void operator()(T* p) const { (g_api->*Release)(p); }
 };
-using SessionOptions = std::unique_ptr<OrtSessionOptions, Releaser<OrtSessionOptions, &OrtApi::ReleaseSessionOptions>>;
+using SessionOptions =
+    std::unique_ptr<OrtSessionOptions, Releaser<OrtSessionOptions, &OrtApi::ReleaseSessionOptions>>;
 using Session = std::unique_ptr<OrtSession, Releaser<OrtSession, &OrtApi::ReleaseSession>>;
 using Value = std::unique_ptr<OrtValue, Releaser<OrtValue, &OrtApi::ReleaseValue>>;
 using MemoryInfo = std::unique_ptr<OrtMemoryInfo, Releaser<OrtMemoryInfo, &OrtApi::ReleaseMemoryInfo>>;
 using ShapeInfo =
-    std::unique_ptr<OrtTensorTypeAndShapeInfo, Releaser<OrtTensorTypeAndShapeInfo, &OrtApi::ReleaseTensorTypeAndShapeInfo>>;
+    std::unique_ptr<OrtTensorTypeAndShapeInfo,
+                    Releaser<OrtTensorTypeAndShapeInfo, &OrtApi::ReleaseTensorTypeAndShapeInfo>>;
 
 // One interpreter per process (gtest_discover_tests runs each test in a process of its own).
 // The main thread holds the GIL except inside ORT calls, which may enter the kernels.
@@ -159,7 +161,8 @@ std::string CreateSession(const std::string& model, Session* session) {
   OrtSession* raw_session = nullptr;
   {
     py::gil_scoped_release no_gil;  // session creation builds the kernels, which take the GIL
-    error = Message(g_api->CreateSessionFromArray(g_env, model.data(), model.size(), options.get(), &raw_session));
+    error = Message(
+        g_api->CreateSessionFromArray(g_env, model.data(), model.size(), options.get(), &raw_session));
   }
   session->reset(raw_session);
   return error;
@@ -178,8 +181,8 @@ std::string RunModel(OrtSession* session, std::vector<float> x, Outputs* out) {
   MemoryInfo info(raw_info);
   const int64_t shape[] = {static_cast<int64_t>(x.size())};
   OrtValue* raw_input = nullptr;
-  error = Message(g_api->CreateTensorWithDataAsOrtValue(info.get(), x.data(), x.size() * sizeof(float), shape, 1,
-                                                         ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, &raw_input));
+  error = Message(g_api->CreateTensorWithDataAsOrtValue(info.get(), x.data(), x.size() * sizeof(float), shape,
+                                                        1, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, &raw_input));
   if (!error.empty()) return error;
   Value input(raw_input);
 
@@ -217,7 +220,8 @@ TEST(EmbeddedOrt, RunsPythonOp) {
   Session session;
   ASSERT_EQ(CreateSession(Model("test.Twice"), &session), "");
   // Two runs of different lengths: the kernel reads each input's actual shape.
-  for (const std::vector<float>& x : {std::vector<float>{1.0f, -2.5f, 0.0f, 3.0f}, std::vector<float>{7.0f}}) {
+  for (const std::vector<float>& x :
+       {std::vector<float>{1.0f, -2.5f, 0.0f, 3.0f}, std::vector<float>{7.0f}}) {
     Outputs out;
     ASSERT_EQ(RunModel(session.get(), x, &out), "");
     EXPECT_EQ(out.ctx, 0);  // no autograd context outside training mode

@@ -1,5 +1,5 @@
-// The library's C boundary. Guarded, around every kernel callback: exceptions become ORT error statuses, except
-// the forced unwind that ends a thread, which must pass through (else glibc aborts the process:
+// The library's C boundary. Guarded, around every kernel callback: exceptions become ORT error statuses,
+// except the forced unwind that ends a thread, which must pass through (else glibc aborts the process:
 // "FATAL: exception not rethrown"). CPython ends a daemon thread that way when it asks for the GIL
 // during interpreter exit, which happens to a thread inside a Function.
 #include "ort_util.h"
@@ -62,8 +62,10 @@ TEST(Guarded, LetsTheForcedUnwindOfAThreadExitThrough) {
 
 // onnxruntime 1.18 loads the kernels but ignores the types their shape inference sets.
 TEST(RegisterCustomOps, RefusesOnnxRuntimeOlderThan119) {
-  for (const char* v : {"1.19.0", "1.19.2", "1.20.1", "1.32.0", "2.0.0"}) EXPECT_TRUE(IsSupportedOrtVersion(v)) << v;
-  for (const char* v : {"1.18.1", "1.18.0", "1.9.0", "0.99", "", "garbage"}) EXPECT_FALSE(IsSupportedOrtVersion(v)) << v;
+  for (const char* v : {"1.19.0", "1.19.2", "1.20.1", "1.32.0", "2.0.0"})
+    EXPECT_TRUE(IsSupportedOrtVersion(v)) << v;
+  for (const char* v : {"1.18.1", "1.18.0", "1.9.0", "0.99", "", "garbage"})
+    EXPECT_FALSE(IsSupportedOrtVersion(v)) << v;
 }
 
 }  // namespace

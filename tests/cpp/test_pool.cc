@@ -85,7 +85,8 @@ TEST_F(PoolTest, IdsCannotBeGuessedFromAnother) {
   for (size_t i = 0; i < ids.size(); ++i) {
     EXPECT_GT(ids[i], 0);
     if (i > 0) {
-      EXPECT_GT(std::llabs(ids[i] - ids[i - 1]), 1 << 20) << "consecutive ids " << ids[i - 1] << ", " << ids[i];
+      EXPECT_GT(std::llabs(ids[i] - ids[i - 1]), 1 << 20)
+          << "consecutive ids " << ids[i - 1] << ", " << ids[i];
     }
     high_bit_set += (ids[i] >> 62) & 1;
   }

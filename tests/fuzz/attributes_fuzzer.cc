@@ -25,33 +25,84 @@ namespace {
 
 // The attributes of PythonOp and PythonOpGrad (docs/node_format.md).
 const char* const kNames[] = {
-    "func_name", "call_index", "input_convention", "output_convention", "training_mode", "safe_run_mode",
-    "input_tensor_types", "input_tensor_ranks", "input_requires_grads", "input_tensor_present",
-    "input_bool_scalars", "input_bool_scalar_positions", "input_int_scalars", "input_int_scalar_positions",
-    "input_float_scalars", "input_float_scalar_positions", "input_float_scalars_f64",
-    "input_pointer_scalars", "input_pointer_scalar_positions", "input_bool_tuples",
-    "input_bool_tuple_positions", "input_bool_tuple_begins", "input_int_tuples", "input_int_tuple_positions",
-    "input_int_tuple_begins", "input_float_tuples", "input_float_tuple_positions", "input_float_tuple_begins",
-    "input_float_tuples_f64", "input_literals", "input_literal_positions", "output_tensor_types",
-    "output_tensor_ranks", "output_tensor_requires_grads", "tensor_reuse_map",
+    "func_name",
+    "call_index",
+    "input_convention",
+    "output_convention",
+    "training_mode",
+    "safe_run_mode",
+    "input_tensor_types",
+    "input_tensor_ranks",
+    "input_requires_grads",
+    "input_tensor_present",
+    "input_bool_scalars",
+    "input_bool_scalar_positions",
+    "input_int_scalars",
+    "input_int_scalar_positions",
+    "input_float_scalars",
+    "input_float_scalar_positions",
+    "input_float_scalars_f64",
+    "input_pointer_scalars",
+    "input_pointer_scalar_positions",
+    "input_bool_tuples",
+    "input_bool_tuple_positions",
+    "input_bool_tuple_begins",
+    "input_int_tuples",
+    "input_int_tuple_positions",
+    "input_int_tuple_begins",
+    "input_float_tuples",
+    "input_float_tuple_positions",
+    "input_float_tuple_begins",
+    "input_float_tuples_f64",
+    "input_literals",
+    "input_literal_positions",
+    "output_tensor_types",
+    "output_tensor_ranks",
+    "output_tensor_requires_grads",
+    "tensor_reuse_map",
 };
 constexpr size_t kNameCount = sizeof kNames / sizeof kNames[0];
 constexpr uint8_t kRandomName = 0xE0;  // name bytes from here on: a random name follows
 
 // Values the parser compares against: limits, sign and width boundaries.
 const int64_t kSpecialInts[] = {
-    std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max(), -1, 0,
-    std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max(), int64_t{1} << 32,
-    (int64_t{1} << 32) - 1, int64_t{1} << 31, 255, 256, 65535, 65536, kMaxRank, kMaxRank + 1,
+    std::numeric_limits<int64_t>::min(),
+    std::numeric_limits<int64_t>::max(),
+    -1,
+    0,
+    std::numeric_limits<int32_t>::min(),
+    std::numeric_limits<int32_t>::max(),
+    int64_t{1} << 32,
+    (int64_t{1} << 32) - 1,
+    int64_t{1} << 31,
+    255,
+    256,
+    65535,
+    65536,
+    kMaxRank,
+    kMaxRank + 1,
 };
 const size_t kSpecialCounts[] = {
-    0, 1, 2, std::numeric_limits<size_t>::max(), std::numeric_limits<size_t>::max() - 1, size_t{1} << 32,
-    size_t{1} << 31, 255, 256, 65536,
+    0,
+    1,
+    2,
+    std::numeric_limits<size_t>::max(),
+    std::numeric_limits<size_t>::max() - 1,
+    size_t{1} << 32,
+    size_t{1} << 31,
+    255,
+    256,
+    65536,
 };
 const float kSpecialFloats[] = {
-    std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
-    -std::numeric_limits<float>::infinity(), -0.0f, std::numeric_limits<float>::max(),
-    std::numeric_limits<float>::denorm_min(), 1e-30f, 0.1f,
+    std::numeric_limits<float>::quiet_NaN(),
+    std::numeric_limits<float>::infinity(),
+    -std::numeric_limits<float>::infinity(),
+    -0.0f,
+    std::numeric_limits<float>::max(),
+    std::numeric_limits<float>::denorm_min(),
+    1e-30f,
+    0.1f,
 };
 
 enum Type : uint8_t { kInt = 0, kInts = 1, kFloats = 2, kString = 3 };
@@ -80,7 +131,8 @@ class Reader {
   }
   size_t Count() {
     uint8_t b = Byte();
-    return b < 0xF0 ? b % 16 : kSpecialCounts[(b - 0xF0) % (sizeof kSpecialCounts / sizeof kSpecialCounts[0])];
+    return b < 0xF0 ? b % 16
+                    : kSpecialCounts[(b - 0xF0) % (sizeof kSpecialCounts / sizeof kSpecialCounts[0])];
   }
   int64_t Int() {
     uint8_t b = Byte();
@@ -241,8 +293,8 @@ class Writer {
   std::fprintf(stderr, "attributes_fuzzer: invariant broken: %s\n", what);
   std::abort();
 }
-#define EXPECT(cond) \
-  do {                         \
+#define EXPECT(cond)             \
+  do {                           \
     if (!(cond)) Finding(#cond); \
   } while (0)
 
@@ -415,28 +467,41 @@ std::vector<Node> Seeds() {
   n.inputs = 1;
   n.outputs = 2;
   n.attrs.strings = {{"func_name", "test.Fn"}, {"input_convention", "d"}};
-  n.attrs.int_lists = {{"input_tensor_types", {1}}, {"output_tensor_types", {1}}, {"output_tensor_ranks", {1}}};
+  n.attrs.int_lists = {
+      {"input_tensor_types", {1}}, {"output_tensor_types", {1}}, {"output_tensor_ranks", {1}}};
   seeds.push_back(n);
 
   n = Node();  // every kind of constant, training, in place
   n.inputs = 2;
   n.outputs = 3;
-  n.attrs.strings = {{"func_name", "test.All"}, {"input_convention", "dccccccccdc"}, {"input_literals", "[null]"}};
+  n.attrs.strings = {
+      {"func_name", "test.All"}, {"input_convention", "dccccccccdc"}, {"input_literals", "[null]"}};
   n.attrs.ints = {{"training_mode", 1}, {"call_index", 3}};
   n.attrs.int_lists = {
-      {"input_tensor_types", {1, 7}}, {"input_tensor_ranks", {2, -1}},
+      {"input_tensor_types", {1, 7}},
+      {"input_tensor_ranks", {2, -1}},
       {"input_requires_grads", {1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}},
-      {"input_bool_scalars", {1}}, {"input_bool_scalar_positions", {1}},
-      {"input_int_scalars", {-42}}, {"input_int_scalar_positions", {2}},
-      {"input_float_scalar_positions", {3}}, {"input_float_scalars_f64", {Bits(0.1)}},
-      {"input_pointer_scalars", {12345}}, {"input_pointer_scalar_positions", {4}},
-      {"input_bool_tuples", {1, 0, 1}}, {"input_bool_tuple_positions", {5}}, {"input_bool_tuple_begins", {0}},
-      {"input_int_tuples", {1, 2, 3, 4}}, {"input_int_tuple_positions", {6, 10}},
+      {"input_bool_scalars", {1}},
+      {"input_bool_scalar_positions", {1}},
+      {"input_int_scalars", {-42}},
+      {"input_int_scalar_positions", {2}},
+      {"input_float_scalar_positions", {3}},
+      {"input_float_scalars_f64", {Bits(0.1)}},
+      {"input_pointer_scalars", {12345}},
+      {"input_pointer_scalar_positions", {4}},
+      {"input_bool_tuples", {1, 0, 1}},
+      {"input_bool_tuple_positions", {5}},
+      {"input_bool_tuple_begins", {0}},
+      {"input_int_tuples", {1, 2, 3, 4}},
+      {"input_int_tuple_positions", {6, 10}},
       {"input_int_tuple_begins", {0, 2}},
-      {"input_float_tuple_positions", {7}}, {"input_float_tuple_begins", {0}},
+      {"input_float_tuple_positions", {7}},
+      {"input_float_tuple_begins", {0}},
       {"input_float_tuples_f64", {Bits(1.5), Bits(-2.25)}},
       {"input_literal_positions", {8}},
-      {"output_tensor_types", {1, 7}}, {"output_tensor_ranks", {2, 0}}, {"tensor_reuse_map", {-1, 0, 1}},
+      {"output_tensor_types", {1, 7}},
+      {"output_tensor_ranks", {2, 0}},
+      {"tensor_reuse_map", {-1, 0, 1}},
   };
   n.attrs.float_lists = {{"input_float_scalars", {0.1f}}, {"input_float_tuples", {1.5f, -2.25f}}};
   seeds.push_back(n);
@@ -444,11 +509,11 @@ std::vector<Node> Seeds() {
   n = Node();  // an operator node: no tensor inputs, forward without Function.apply
   n.inputs = 0;
   n.outputs = 2;
-  n.attrs.strings = {{"func_name", "aten::relu.default"}, {"input_convention", "cc"},
-                     {"input_literals", "[[-1], []]"}};
+  n.attrs.strings = {
+      {"func_name", "aten::relu.default"}, {"input_convention", "cc"}, {"input_literals", "[[-1], []]"}};
   n.attrs.ints = {{"safe_run_mode", 0}};
-  n.attrs.int_lists = {{"input_literal_positions", {0, 1}}, {"output_tensor_types", {10}},
-                       {"output_tensor_ranks", {3}}};
+  n.attrs.int_lists = {
+      {"input_literal_positions", {0, 1}}, {"output_tensor_types", {10}}, {"output_tensor_ranks", {3}}};
   seeds.push_back(n);
 
   n = Node();  // dx = f'(ctx, dy)
@@ -456,7 +521,9 @@ std::vector<Node> Seeds() {
   n.inputs = 2;
   n.outputs = 1;
   n.attrs.strings = {{"func_name", "test.Fn"}, {"output_convention", "d"}};
-  n.attrs.int_lists = {{"input_tensor_types", {1}}, {"output_tensor_types", {1}}, {"output_tensor_ranks", {1}},
+  n.attrs.int_lists = {{"input_tensor_types", {1}},
+                       {"output_tensor_types", {1}},
+                       {"output_tensor_ranks", {1}},
                        {"output_tensor_requires_grads", {1}}};
   seeds.push_back(n);
 
@@ -466,9 +533,9 @@ std::vector<Node> Seeds() {
   n.outputs = 2;
   n.attrs.strings = {{"func_name", "test.Two"}, {"output_convention", "dcd"}};
   n.attrs.ints = {{"safe_run_mode", 1}};
-  n.attrs.int_lists = {{"input_tensor_types", {1, 7, 11}}, {"input_tensor_ranks", {2, -1, 1}},
+  n.attrs.int_lists = {{"input_tensor_types", {1, 7, 11}},  {"input_tensor_ranks", {2, -1, 1}},
                        {"input_tensor_present", {1, 0, 1}}, {"output_tensor_types", {1, 16}},
-                       {"output_tensor_ranks", {2, 1}}, {"output_tensor_requires_grads", {1, 0}}};
+                       {"output_tensor_ranks", {2, 1}},     {"output_tensor_requires_grads", {1, 0}}};
   seeds.push_back(n);
   return seeds;
 }

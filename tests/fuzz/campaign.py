@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STARTUP_S = 180     # importing torch in a child, with the warm-up (slower under a sanitizer)
+STARTUP_S = 180  # importing torch in a child, with the warm-up (slower under a sanitizer)
 SLOW_CREATE_S = 1.0  # a session creation slower than this is a finding
 SAVE_PER_CLASS = 5  # saved examples per (finding, mutation kinds), so that long runs stay small
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -44,7 +44,7 @@ class Child:
     results: str
     stderr: str
     started: float = field(default_factory=time.monotonic)
-    current: str = ""          # the progress file's last content
+    current: str = ""  # the progress file's last content
     since: float = field(default_factory=time.monotonic)
     killed: str | None = None  # why the parent killed it: hang / memory
 
@@ -66,8 +66,13 @@ def _tail(path: str, chars: int = 6000) -> str:
         return ""
 
 
-_REPORT_MARKERS = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:", "terminate called",
-                   "Fatal Python error")
+_REPORT_MARKERS = (
+    "ERROR: AddressSanitizer",
+    "ERROR: LeakSanitizer",
+    "runtime error:",
+    "terminate called",
+    "Fatal Python error",
+)
 
 
 def crash_report(path: str):
@@ -78,7 +83,7 @@ def crash_report(path: str):
         i = text.find(marker)
         if i < 0:
             continue
-        lines = text[text.rfind("\n", 0, i) + 1:].splitlines()[:60]
+        lines = text[text.rfind("\n", 0, i) + 1 :].splitlines()[:60]
         kind = re.sub(r"^==\d+==| (on|at) (unknown )?address.*| trying to allocate.*", "", lines[0]).strip()
         frames = []
         for line in lines:  # "#5 0x7f.. in FUNCTION(ARGS) /path/file.cc:89" in the ortbridge sources
@@ -122,15 +127,29 @@ class Campaign:
         stderr = os.path.join(self.logs, f"stderr-{tag}.txt")
         for path in (progress, results):
             open(path, "w").close()
-        cmd = [sys.executable, "-m", "tests.fuzz.worker", "--seed", str(self.args.seed), "--start", str(start),
-               "--count", str(end - start), "--progress", progress, "--results", results]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tests.fuzz.worker",
+            "--seed",
+            str(self.args.seed),
+            "--start",
+            str(start),
+            "--count",
+            str(end - start),
+            "--progress",
+            progress,
+            "--results",
+            results,
+        ]
         if self.args.arena:
             cmd.append("--arena")
         env = dict(os.environ)
         env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else ROOT
         with open(stderr, "wb") as err:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=err, stderr=err, start_new_session=True
+            )
         return Child(start, end, proc, progress, results, stderr)
 
     def watch(self, child: Child) -> None:
@@ -173,16 +192,21 @@ class Campaign:
             return None
         if not state.isdigit():
             if state == "done":  # all cases ran, then the process failed (at exit, or a sanitizer report)
-                self.findings.append({"class": "exit", "range": [child.start, child.end], "returncode": rc,
-                                      "stderr_tail": stderr_tail})
+                self.findings.append(
+                    {"class": "exit", "range": [child.start, child.end], "returncode": rc, "stderr_tail": stderr_tail}
+                )
                 return None
             why = f"exit {rc}" + (f", killed: {child.killed}" if child.killed else "")
             sys.exit(f"fuzz worker failed before its first case ({why}); its stderr:\n{stderr_tail}")
         index = int(state)
         kind = child.killed or "crash"
-        record = {"index": index, "outcome": kind, "returncode": rc,
-                  "signal": signal.Signals(-rc).name if rc is not None and rc < 0 and -rc in signal.valid_signals()
-                  else None, "sanitizer": sanitizer}
+        record = {
+            "index": index,
+            "outcome": kind,
+            "returncode": rc,
+            "signal": signal.Signals(-rc).name if rc is not None and rc < 0 and -rc in signal.valid_signals() else None,
+            "sanitizer": sanitizer,
+        }
         record["signature"], report = crash_report(child.stderr)
         if child.killed:  # (the report is then faulthandler's, from the campaign's SIGABRT)
             frame = (record["signature"] or "").split(" | ")[-1]
@@ -197,22 +221,30 @@ class Campaign:
     def add_record(self, record: dict) -> None:
         if "kinds" not in record:  # a case that killed its child: describe it from the generator
             from .graphs import make_case
+
             desc = make_case(self.args.seed, record["index"])[2]
-            record.update(base=desc["base"], kinds=desc["kinds"],
-                          mutations=[f"{m['kind']} {m['attribute'] or '-'} {m['detail']}"[:100]
-                                     for m in desc["mutations"]])
+            record.update(
+                base=desc["base"],
+                kinds=desc["kinds"],
+                mutations=[f"{m['kind']} {m['attribute'] or '-'} {m['detail']}"[:100] for m in desc["mutations"]],
+            )
         self.records.append(record)
         with open(self.results_path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        for finding, hit in (("leak", record.get("leaked", 0) > 0), ("import", bool(record.get("imports"))),
-                             ("slow", record.get("create_s", 0) > SLOW_CREATE_S),
-                             ("anomaly", bool(record.get("anomalies")))):
+        for finding, hit in (
+            ("leak", record.get("leaked", 0) > 0),
+            ("import", bool(record.get("imports"))),
+            ("slow", record.get("create_s", 0) > SLOW_CREATE_S),
+            ("anomaly", bool(record.get("anomalies"))),
+        ):
             if hit:
                 self.save(finding, record["index"], record)
 
-    def save(self, kind: str, index: int, record: dict, stderr_tail: str | None = None,
-             report: str | None = None) -> None:
+    def save(
+        self, kind: str, index: int, record: dict, stderr_tail: str | None = None, report: str | None = None
+    ) -> None:
         from .graphs import make_case
+
         model, _, description = make_case(self.args.seed, index)
         key = (kind, tuple(description["kinds"]))
         self.saved[key] += 1
@@ -250,8 +282,12 @@ class Campaign:
                 if rest is not None:
                     pending.insert(0, rest)
                 if not a.quiet:
-                    print(f"[fuzz] {len(self.records)}/{a.cases} cases, {len(self.findings)} crashes/hangs, "
-                          f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+                    print(
+                        f"[fuzz] {len(self.records)}/{a.cases} cases, {len(self.findings)} crashes/hangs, "
+                        f"{time.monotonic() - t0:.0f} s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
         summary = summarize(self.records, self.findings, a.seed)
         summary["wall_s"] = round(time.monotonic() - t0, 1)
         with open(os.path.join(self.out, "summary.json"), "w") as f:
@@ -290,10 +326,15 @@ def summarize(records: list[dict], findings: list[dict], seed: int) -> dict:
 
     classes = collections.defaultdict(list)
     for r in records:
-        for cls, hit in (("crash", r["outcome"] == "crash"), ("hang", r["outcome"] == "hang"),
-                         ("memory", r["outcome"] == "memory"), ("leak", r.get("leaked", 0) > 0),
-                         ("import", bool(r.get("imports"))), ("slow", r.get("create_s", 0) > SLOW_CREATE_S),
-                         ("anomaly", bool(r.get("anomalies")))):
+        for cls, hit in (
+            ("crash", r["outcome"] == "crash"),
+            ("hang", r["outcome"] == "hang"),
+            ("memory", r["outcome"] == "memory"),
+            ("leak", r.get("leaked", 0) > 0),
+            ("import", bool(r.get("imports"))),
+            ("slow", r.get("create_s", 0) > SLOW_CREATE_S),
+            ("anomaly", bool(r.get("anomalies"))),
+        ):
             if hit:  # a crash is told apart by where it happened, the rest by what was mutated
                 key = r.get("signature") if cls in ("crash", "hang", "memory") and r.get("signature") else None
                 classes[(cls, key or ",".join(r.get("kinds", [])) or "-")].append(r)
@@ -303,13 +344,22 @@ def summarize(records: list[dict], findings: list[dict], seed: int) -> dict:
         for r in rs:
             if r.get(key) is False:
                 groups.setdefault(_shape_of(r["message"] or ""), r)
-        return [{"index": r["index"], "kinds": r.get("kinds"), "message": (r["message"] or "")[:600]}
-                for r in list(groups.values())[:25]]
+        return [
+            {"index": r["index"], "kinds": r.get("kinds"), "message": (r["message"] or "")[:600]}
+            for r in list(groups.values())[:25]
+        ]
 
     return {
-        "seed": seed, "cases": len(records), "ok": count["ok"], "refusals": count["refused"],
-        "run_failures": count["run_failed"], "crashes": count["crash"], "hangs": count["hang"],
-        "memory": count["memory"], "leaks": len(leaks), "imports": len(imports),
+        "seed": seed,
+        "cases": len(records),
+        "ok": count["ok"],
+        "refusals": count["refused"],
+        "run_failures": count["run_failed"],
+        "crashes": count["crash"],
+        "hangs": count["hang"],
+        "memory": count["memory"],
+        "leaks": len(leaks),
+        "imports": len(imports),
         "exit_failures": sum(1 for f in findings if f.get("class") == "exit"),
         "bases_failed": len(bases_failed),
         "generator_errors": count["generator_error"],
@@ -319,26 +369,39 @@ def summarize(records: list[dict], findings: list[dict], seed: int) -> dict:
         # the same two figures over the refusals ortbridge wrote (the rest are ONNX Runtime's)
         "ortbridge_refusals_naming_node_pct": pct(
             [r for r in with_node if r["names_node"] and from_ortbridge(r["message"])],
-            [r for r in with_node if from_ortbridge(r["message"])]),
+            [r for r in with_node if from_ortbridge(r["message"])],
+        ),
         "ortbridge_single_attribute_refusals_naming_attribute_pct": pct(
             [r for r in with_attr if r["names_attr"] and from_ortbridge(r["message"])],
-            [r for r in with_attr if from_ortbridge(r["message"])]),
+            [r for r in with_attr if from_ortbridge(r["message"])],
+        ),
         "refusals_by_onnxruntime": sum(1 for r in refused if not from_ortbridge(r["message"])),
-        "slowest_create_s": slowest and slowest["create_s"], "slowest_create_index": slowest and slowest["index"],
-        "largest_rss_mb": biggest and biggest["rss_mb"], "largest_rss_index": biggest and biggest["index"],
+        "slowest_create_s": slowest and slowest["create_s"],
+        "slowest_create_index": slowest and slowest["index"],
+        "largest_rss_mb": biggest and biggest["rss_mb"],
+        "largest_rss_index": biggest and biggest["index"],
         "slow_creates": sum(1 for r in created if r["create_s"] > SLOW_CREATE_S),
-        "classes": [{"class": cls, "kinds": ",".join(rs[0].get("kinds", [])), "signature": rs[0].get("signature"),
-                     "cases": len(rs), "example": rs[0]["index"],
-                     "saved": next((r["saved"] for r in rs if r.get("saved")), None),
-                     "mutations": rs[0].get("mutations"), "signal": rs[0].get("signal"),
-                     "message": (rs[0].get("message") or "")[:300] or None,
-                     "imports": rs[0].get("imports") or None}
-                    for (cls, _), rs in sorted(classes.items(), key=lambda kv: (kv[0][0], -len(kv[1])))],
+        "classes": [
+            {
+                "class": cls,
+                "kinds": ",".join(rs[0].get("kinds", [])),
+                "signature": rs[0].get("signature"),
+                "cases": len(rs),
+                "example": rs[0]["index"],
+                "saved": next((r["saved"] for r in rs if r.get("saved")), None),
+                "mutations": rs[0].get("mutations"),
+                "signal": rs[0].get("signal"),
+                "message": (rs[0].get("message") or "")[:300] or None,
+                "imports": rs[0].get("imports") or None,
+            }
+            for (cls, _), rs in sorted(classes.items(), key=lambda kv: (kv[0][0], -len(kv[1])))
+        ],
         "refusals_not_naming_node": unnamed(with_node, "names_node"),
         "refusals_not_naming_attribute": unnamed(with_attr, "names_attr"),
         "run_failures_not_naming_node": unnamed(run_failed, "names_node"),
-        "bases_failed_examples": [{"index": r["index"], "message": (r.get("message") or "")[:300]}
-                                  for r in bases_failed[:5]],
+        "bases_failed_examples": [
+            {"index": r["index"], "message": (r.get("message") or "")[:300]} for r in bases_failed[:5]
+        ],
     }
 
 
@@ -346,17 +409,23 @@ def print_summary(s: dict, out=sys.stdout) -> None:
     p = lambda *a: print(*a, file=out)  # noqa: E731
     p(f"fuzz seed {s['seed']}: {s['cases']} cases in {s.get('wall_s', '?')} s")
     p(f"  ok {s['ok']}, refused at creation {s['refusals']}, failed at run {s['run_failures']}")
-    p(f"  crashes {s['crashes']}, hangs {s['hangs']}, out of memory {s['memory']}, leaks {s['leaks']}, "
-      f"imports {s['imports']}, failures at exit {s['exit_failures']}, intact bases failing {s['bases_failed']}, "
-      f"generator errors {s['generator_errors']}")
+    p(
+        f"  crashes {s['crashes']}, hangs {s['hangs']}, out of memory {s['memory']}, leaks {s['leaks']}, "
+        f"imports {s['imports']}, failures at exit {s['exit_failures']}, intact bases failing {s['bases_failed']}, "
+        f"generator errors {s['generator_errors']}"
+    )
     p(f"  refusals naming the node: {s['refusals_naming_node_pct']}%")
     p(f"  single-attribute refusals naming the attribute: {s['single_attribute_refusals_naming_attribute_pct']}%")
     p(f"  run failures naming the node: {s['run_failures_naming_node_pct']}%")
-    p(f"  of the refusals ortbridge wrote: {s['ortbridge_refusals_naming_node_pct']}% name the node, "
-      f"{s['ortbridge_single_attribute_refusals_naming_attribute_pct']}% of single-attribute ones the attribute "
-      f"({s['refusals_by_onnxruntime']} refusals came from ONNX Runtime's own checks)")
-    p(f"  slowest session creation: {s['slowest_create_s']} s (case {s['slowest_create_index']}), "
-      f"{s['slow_creates']} over {SLOW_CREATE_S} s")
+    p(
+        f"  of the refusals ortbridge wrote: {s['ortbridge_refusals_naming_node_pct']}% name the node, "
+        f"{s['ortbridge_single_attribute_refusals_naming_attribute_pct']}% of single-attribute ones the attribute "
+        f"({s['refusals_by_onnxruntime']} refusals came from ONNX Runtime's own checks)"
+    )
+    p(
+        f"  slowest session creation: {s['slowest_create_s']} s (case {s['slowest_create_index']}), "
+        f"{s['slow_creates']} over {SLOW_CREATE_S} s"
+    )
     p(f"  largest RSS growth: {s['largest_rss_mb']} MB (case {s['largest_rss_index']})")
     if s["classes"]:
         p("  findings (class, mutation kinds, cases, example):")
@@ -365,9 +434,11 @@ def print_summary(s: dict, out=sys.stdout) -> None:
             p(f"             {'; '.join(c['mutations'] or [])[:200]}{'  ' + c['signal'] if c['signal'] else ''}")
             if c["signature"]:
                 p(f"             {c['signature'][:200]}")
-    for key, title in (("refusals_not_naming_node", "refusals not naming the node"),
-                       ("refusals_not_naming_attribute", "refusals not naming the attribute"),
-                       ("run_failures_not_naming_node", "run failures not naming the node")):
+    for key, title in (
+        ("refusals_not_naming_node", "refusals not naming the node"),
+        ("refusals_not_naming_attribute", "refusals not naming the attribute"),
+        ("run_failures_not_naming_node", "run failures not naming the node"),
+    ):
         if s[key]:
             p(f"  {title} (distinct, up to 25):")
             for r in s[key]:
@@ -402,5 +473,6 @@ if __name__ == "__main__":
     if __package__ in (None, ""):  # run by path
         sys.path.insert(0, ROOT)
         import tests.fuzz  # noqa: F401
+
         __package__ = "tests.fuzz"
     sys.exit(main())

@@ -159,7 +159,7 @@ class Grow(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return g if ctx.n is None else g[:ctx.n] + g[ctx.n:]
+        return g if ctx.n is None else g[: ctx.n] + g[ctx.n :]
 
 
 class Make(torch.autograd.Function):
@@ -174,8 +174,10 @@ class Make(torch.autograd.Function):
         return None, None
 
 
-FUNCTIONS = {f"fuzz.{cls.__name__}": cls for cls in (Identity, Pass, Scale, Saving, TwoOut, Add, View, NoGrad,
-                                                     InPlace, Shrink, Grow, Make)}
+FUNCTIONS = {
+    f"fuzz.{cls.__name__}": cls
+    for cls in (Identity, Pass, Scale, Saving, TwoOut, Add, View, NoGrad, InPlace, Shrink, Grow, Make)
+}
 
 for _name, _cls in FUNCTIONS.items():
     ortbridge.register(_cls, name=_name)

@@ -24,19 +24,48 @@ from onnx import AttributeProto, helper, numpy_helper
 DOMAIN = "ortbridge"
 INT, INTS, FLOAT, FLOATS, STRING, STRINGS, TENSOR = "INT", "INTS", "FLOAT", "FLOATS", "STRING", "STRINGS", "TENSOR"
 KINDS = (INT, INTS, FLOAT, FLOATS, STRING, STRINGS, TENSOR)
-INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 BASE_EVERY = 50  # case indices divisible by this are unmutated bases
 # The names tests/fuzz/functions.py registers (kept here so that generating needs no torch).
-FUNCTION_NAMES = [f"fuzz.{n}" for n in ("Identity", "Pass", "Scale", "Saving", "TwoOut", "Add", "View", "NoGrad",
-                                        "InPlace", "Shrink", "Grow", "Make")]
+FUNCTION_NAMES = [
+    f"fuzz.{n}"
+    for n in (
+        "Identity",
+        "Pass",
+        "Scale",
+        "Saving",
+        "TwoOut",
+        "Add",
+        "View",
+        "NoGrad",
+        "InPlace",
+        "Shrink",
+        "Grow",
+        "Make",
+    )
+]
 
 # ONNX element type -> numpy dtype, for the types with a numpy counterpart (graph inputs).
-NUMPY = {1: np.float32, 2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int16, 6: np.int32, 7: np.int64, 9: np.bool_,
-         10: np.float16, 11: np.float64, 12: np.uint32, 13: np.uint64, 14: np.complex64, 15: np.complex128}
+NUMPY = {
+    1: np.float32,
+    2: np.uint8,
+    3: np.int8,
+    4: np.uint16,
+    5: np.int16,
+    6: np.int32,
+    7: np.int64,
+    9: np.bool_,
+    10: np.float16,
+    11: np.float64,
+    12: np.uint32,
+    13: np.uint64,
+    14: np.complex64,
+    15: np.complex128,
+}
 _SIZE = {1: 4, 2: 1, 3: 1, 4: 2, 5: 2, 6: 4, 7: 8, 9: 1, 10: 2, 11: 8, 12: 4, 13: 8, 16: 2}  # bytes per element
-FLOATING = (1, 10, 11)                      # types whose tensors may require a gradient
-ARITH = (1, 11, 10, 7, 6, 5, 3, 2)          # types torch's arithmetic covers on the CPU
-ANY = ARITH + (9, 4, 12, 13)                # types that at least cross and copy (ORT gives custom ops no complex)
+FLOATING = (1, 10, 11)  # types whose tensors may require a gradient
+ARITH = (1, 11, 10, 7, 6, 5, 3, 2)  # types torch's arithmetic covers on the CPU
+ANY = ARITH + (9, 4, 12, 13)  # types that at least cross and copy (ORT gives custom ops no complex)
 SUPPORTED = tuple(range(1, 8)) + tuple(range(9, 17))
 BAD_TYPES = (0, 8, 17, -1, 2**40, 100, 2**31, INT64_MIN)
 
@@ -57,9 +86,19 @@ _GROUPS = [
     ("input_tensor_types", "output_tensor_types"),
     ("input_tensor_ranks", "output_tensor_ranks"),
     # two constants claiming one position: either claim may be the one refused
-    tuple(f"input_{k}_{s}_positions" for k, s in (("bool", "scalar"), ("int", "scalar"), ("float", "scalar"),
-                                                   ("pointer", "scalar"), ("bool", "tuple"), ("int", "tuple"),
-                                                   ("float", "tuple"))) + ("input_literal_positions",),
+    tuple(
+        f"input_{k}_{s}_positions"
+        for k, s in (
+            ("bool", "scalar"),
+            ("int", "scalar"),
+            ("float", "scalar"),
+            ("pointer", "scalar"),
+            ("bool", "tuple"),
+            ("int", "tuple"),
+            ("float", "tuple"),
+        )
+    )
+    + ("input_literal_positions",),
 ]
 PARTNERS: dict[str, set] = {}
 for _group in _GROUPS:
@@ -67,10 +106,15 @@ for _group in _GROUPS:
         PARTNERS.setdefault(_name, set()).update(_group)
 # A convention decides which positions are constants and how many tensors there are.
 _CONVENTION_PARTNERS = {"input_tensor_types", "input_requires_grads", "input_tensor_ranks"} | {
-    n for g in _GROUPS[:8] for n in g if n.endswith("positions")}
+    n for g in _GROUPS[:8] for n in g if n.endswith("positions")
+}
 PARTNERS["input_convention"] = {"input_convention"} | _CONVENTION_PARTNERS
-PARTNERS["output_convention"] = {"output_convention", "output_tensor_types", "output_tensor_ranks",
-                                 "output_tensor_requires_grads"}
+PARTNERS["output_convention"] = {
+    "output_convention",
+    "output_tensor_types",
+    "output_tensor_ranks",
+    "output_tensor_requires_grads",
+}
 
 
 def related_attributes(name: str) -> set:
@@ -90,24 +134,27 @@ class Node:
     outputs: list
     attrs: dict = field(default_factory=dict)  # name -> (kind, value), in order
     domain: str = DOMAIN
-    meta: dict = field(default_factory=dict)   # role, func, training, literal entries, peer
+    meta: dict = field(default_factory=dict)  # role, func, training, literal entries, peer
 
 
 @dataclass
 class Graph:
     base: str
     nodes: list = field(default_factory=list)
-    inputs: list = field(default_factory=list)        # [name, elem_type, shape]
-    outputs: list = field(default_factory=list)       # [name, elem_type, shape or None]
-    value_info: list = field(default_factory=list)    # [name, elem_type, shape or None]
+    inputs: list = field(default_factory=list)  # [name, elem_type, shape]
+    outputs: list = field(default_factory=list)  # [name, elem_type, shape or None]
+    value_info: list = field(default_factory=list)  # [name, elem_type, shape or None]
     initializers: dict = field(default_factory=dict)  # name -> numpy array
     feeds: dict = field(default_factory=dict)
     opsets: dict = field(default_factory=lambda: {"": 17, DOMAIN: 1})
-    raw: dict = field(default_factory=dict)           # ASCII marker -> the bytes it stands for
+    raw: dict = field(default_factory=dict)  # ASCII marker -> the bytes it stands for
 
     def ortbridge_nodes(self, op=None):
-        return [n for n in self.nodes if n.domain == DOMAIN and n.op in ("PythonOp", "PythonOpGrad")
-                and (op is None or n.op == op)]
+        return [
+            n
+            for n in self.nodes
+            if n.domain == DOMAIN and n.op in ("PythonOp", "PythonOpGrad") and (op is None or n.op == op)
+        ]
 
     def consumers(self, value):
         return [n for n in self.nodes if value in n.inputs]
@@ -135,6 +182,7 @@ class Graph:
 @dataclass
 class T:
     """A tensor argument: value name, element type, rank, whether it requires a gradient."""
+
     name: str
     elem_type: int
     rank: int
@@ -144,6 +192,7 @@ class T:
 @dataclass
 class Lit:
     """A constant written into input_literals."""
+
     value: object
 
 
@@ -280,9 +329,22 @@ class _Builder:
         name = self.node_name("fw", what)
         ctx = self.fresh("ctx")
         out_names = [self.fresh("y") for _ in outs]
-        node = Node("PythonOp", name, [t.name for t in tensors], [ctx, *out_names], attrs,
-                    meta=dict(role="fw", func=func, training=training, conv=conv, tensors=tensors, outs=list(outs),
-                              literal_entries=[t for _, t in literals]))
+        node = Node(
+            "PythonOp",
+            name,
+            [t.name for t in tensors],
+            [ctx, *out_names],
+            attrs,
+            meta=dict(
+                role="fw",
+                func=func,
+                training=training,
+                conv=conv,
+                tensors=tensors,
+                outs=list(outs),
+                literal_entries=[t for _, t in literals],
+            ),
+        )
         self.g.nodes.append(node)
         return node
 
@@ -305,23 +367,40 @@ class _Builder:
         if self.rng.random() < 0.2:
             attrs["safe_run_mode"] = (INT, 1)
         names = [self.fresh("gx") if o[0] else "" for o in outs]
-        node = Node("PythonOpGrad", self.node_name("bw", func.split(".")[-1]),
-                    [ctx or fw_node.outputs[0]] + [g[0] for g in grads if g[0] is not None], names, attrs,
-                    meta=dict(role="bw", func=func, peer=fw_node))
+        node = Node(
+            "PythonOpGrad",
+            self.node_name("bw", func.split(".")[-1]),
+            [ctx or fw_node.outputs[0]] + [g[0] for g in grads if g[0] is not None],
+            names,
+            attrs,
+            meta=dict(role="bw", func=func, peer=fw_node),
+        )
         fw_node.meta["peer"] = node
         self.g.nodes.append(node)
         return names
 
     def onnx(self, op, inputs, outputs=1, **attrs):
         outs = [self.fresh("v") for _ in range(outputs)]
-        self.g.nodes.append(Node(op, self.node_name("onnx", op), inputs, outs,
-                                 {k: (INT, v) for k, v in attrs.items()}, domain="", meta=dict(role="onnx")))
+        self.g.nodes.append(
+            Node(
+                op,
+                self.node_name("onnx", op),
+                inputs,
+                outs,
+                {k: (INT, v) for k, v in attrs.items()},
+                domain="",
+                meta=dict(role="onnx"),
+            )
+        )
         return outs
 
 
 def _out_shape(func, shape):
-    return {"View": [int(np.prod(shape))], "Shrink": [shape[0] - 1] + shape[1:] if shape else [],
-            "Grow": [shape[0] * 2] + shape[1:] if shape else []}.get(func, shape)
+    return {
+        "View": [int(np.prod(shape))],
+        "Shrink": [shape[0] - 1] + shape[1:] if shape else [],
+        "Grow": [shape[0] * 2] + shape[1:] if shape else [],
+    }.get(func, shape)
 
 
 def _tensor_of(b, types, rank=None, min_first=1, stem="x", requires_grad=False):
@@ -333,8 +412,11 @@ def _tensor_of(b, types, rank=None, min_first=1, stem="x", requires_grad=False):
 
 def base_infer_one(b):
     func = b.rng.choice(["Identity", "Pass", "View", "NoGrad", "Shrink", "Grow"])
-    x, shape = _tensor_of(b, ANY if func in ("Identity", "Pass", "View", "NoGrad") else ARITH,
-                          min_first=2 if func in ("Shrink", "Grow") else 1)
+    x, shape = _tensor_of(
+        b,
+        ANY if func in ("Identity", "Pass", "View", "NoGrad") else ARITH,
+        min_first=2 if func in ("Shrink", "Grow") else 1,
+    )
     out_shape = _out_shape(func, shape)
     extra = {"safe_run_mode": (INT, 0)} if b.rng.random() < 0.3 else {}
     n = b.fw(f"fuzz.{func}", [x], [(x.elem_type, len(out_shape))], **extra)
@@ -343,24 +425,26 @@ def base_infer_one(b):
 
 def _random_constant(b):
     r = b.rng
-    return r.choice([
-        lambda: r.choice([True, False]),
-        lambda: r.choice([0, 1, -7, 2**62, INT64_MIN, r.randint(-1000, 1000)]),
-        lambda: r.choice([0.5, -1.25, float("nan"), float("inf"), -0.0, 1e300, 0.1]),
-        lambda: tuple(r.randint(-5, 5) for _ in range(r.randint(1, 4))),
-        lambda: tuple(r.choice([0.5, 2.0, float("-inf")]) for _ in range(r.randint(1, 3))),
-        lambda: tuple(r.choice([True, False]) for _ in range(r.randint(1, 3))),
-        lambda: Lit(None),
-        lambda: Lit(r.choice(["text", "", "\u00e9\u4e2d", "a\"b\\c"])),
-        lambda: Lit([1, [2, 3], "x"]),
-        lambda: Lit({"k": 1, "nested": (1, 2.5, None)}),
-        lambda: Lit(Dtype(r.choice(["float16", "int64", "bool", "bfloat16"]))),
-        lambda: Lit(Device("cpu")),
-        lambda: Lit(10**30),
-        lambda: Lit(()),
-        lambda: Lit((True, (1, "two"), [3.5])),
-        lambda: Lit(float("nan")),
-    ])()
+    return r.choice(
+        [
+            lambda: r.choice([True, False]),
+            lambda: r.choice([0, 1, -7, 2**62, INT64_MIN, r.randint(-1000, 1000)]),
+            lambda: r.choice([0.5, -1.25, float("nan"), float("inf"), -0.0, 1e300, 0.1]),
+            lambda: tuple(r.randint(-5, 5) for _ in range(r.randint(1, 4))),
+            lambda: tuple(r.choice([0.5, 2.0, float("-inf")]) for _ in range(r.randint(1, 3))),
+            lambda: tuple(r.choice([True, False]) for _ in range(r.randint(1, 3))),
+            lambda: Lit(None),
+            lambda: Lit(r.choice(["text", "", "\u00e9\u4e2d", 'a"b\\c'])),
+            lambda: Lit([1, [2, 3], "x"]),
+            lambda: Lit({"k": 1, "nested": (1, 2.5, None)}),
+            lambda: Lit(Dtype(r.choice(["float16", "int64", "bool", "bfloat16"]))),
+            lambda: Lit(Device("cpu")),
+            lambda: Lit(10**30),
+            lambda: Lit(()),
+            lambda: Lit((True, (1, "two"), [3.5])),
+            lambda: Lit(float("nan")),
+        ]
+    )()
 
 
 def base_infer_constants(b):
@@ -390,8 +474,11 @@ def base_infer_chain(b):
     if b.rng.random() < 0.5:
         b.g.value_info.append([u, x.elem_type, list(shape)])
     n2 = b.fw("fuzz.TwoOut", [T(u, x.elem_type, x.rank)], [(x.elem_type, x.rank)] * 2)
-    n3 = b.fw("fuzz.Add", [T(n2.outputs[1], x.elem_type, x.rank), T(n2.outputs[2], x.elem_type, x.rank)],
-              [(x.elem_type, x.rank)])
+    n3 = b.fw(
+        "fuzz.Add",
+        [T(n2.outputs[1], x.elem_type, x.rank), T(n2.outputs[2], x.elem_type, x.rank)],
+        [(x.elem_type, x.rank)],
+    )
     b.output(n3.outputs[1], x.elem_type, shape)
 
 
@@ -400,8 +487,7 @@ def base_infer_inplace(b):
     src = x.name
     if b.rng.random() < 0.7:  # an intermediate, whose buffer ORT may hand to the output
         (src,) = b.onnx("Add", [x.name, x.name])
-    n = b.fw("fuzz.InPlace", [T(src, x.elem_type, x.rank)], [(x.elem_type, x.rank)],
-             tensor_reuse_map=(INTS, [-1, 0]))
+    n = b.fw("fuzz.InPlace", [T(src, x.elem_type, x.rank)], [(x.elem_type, x.rank)], tensor_reuse_map=(INTS, [-1, 0]))
     b.output(n.outputs[1], x.elem_type, shape)
 
 
@@ -512,8 +598,13 @@ def base_train_multi_input(b):
 def base_train_inplace(b):
     x, shape = _tensor_of(b, FLOATING, requires_grad=True)
     (t,) = b.onnx("Add", [x.name, x.name])
-    n = b.fw("fuzz.InPlace", [T(t, x.elem_type, x.rank, True)], [(x.elem_type, x.rank)], training=True,
-             tensor_reuse_map=(INTS, [-1, 0]))
+    n = b.fw(
+        "fuzz.InPlace",
+        [T(t, x.elem_type, x.rank, True)],
+        [(x.elem_type, x.rank)],
+        training=True,
+        tensor_reuse_map=(INTS, [-1, 0]),
+    )
     g = b.input(x.elem_type, shape, "g")
     (gx,) = b.bw(n, [(g, x.elem_type, x.rank)], [(True, x.elem_type, x.rank)])
     b.output(n.outputs[1], x.elem_type, shape)
@@ -523,8 +614,7 @@ def base_train_inplace(b):
 def base_train_chain(b):
     x, shape = _tensor_of(b, FLOATING, requires_grad=True)
     n1 = b.fw("fuzz.Identity", [x], [(x.elem_type, x.rank)], training=True)
-    n2 = b.fw("fuzz.Scale", [T(n1.outputs[1], x.elem_type, x.rank, True), 3.0], [(x.elem_type, x.rank)],
-              training=True)
+    n2 = b.fw("fuzz.Scale", [T(n1.outputs[1], x.elem_type, x.rank, True), 3.0], [(x.elem_type, x.rank)], training=True)
     g = b.input(x.elem_type, shape, "g")
     (g1,) = b.bw(n2, [(g, x.elem_type, x.rank)], [(True, x.elem_type, x.rank)])
     (gx,) = b.bw(n1, [(g1, x.elem_type, x.rank)], [(True, x.elem_type, x.rank)])
@@ -532,10 +622,26 @@ def base_train_chain(b):
     b.output(gx, x.elem_type, shape)
 
 
-BASES = {f.__name__.removeprefix("base_"): f for f in (
-    base_infer_one, base_infer_constants, base_infer_two_out, base_infer_chain, base_infer_inplace,
-    base_infer_operator, base_no_inputs, base_train_pair, base_train_two_out, base_train_noctx,
-    base_train_two_pairs, base_train_ctx_output, base_train_multi_input, base_train_inplace, base_train_chain)}
+BASES = {
+    f.__name__.removeprefix("base_"): f
+    for f in (
+        base_infer_one,
+        base_infer_constants,
+        base_infer_two_out,
+        base_infer_chain,
+        base_infer_inplace,
+        base_infer_operator,
+        base_no_inputs,
+        base_train_pair,
+        base_train_two_out,
+        base_train_noctx,
+        base_train_two_pairs,
+        base_train_ctx_output,
+        base_train_multi_input,
+        base_train_inplace,
+        base_train_chain,
+    )
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -543,11 +649,12 @@ BASES = {f.__name__.removeprefix("base_"): f for f in (
 # when it does not apply to this graph (another is drawn then). `node` is the Node object here;
 # make_case turns it into its final name.
 
+
 def _raw_name(g, prefix, raw: bytes):
     """A name holding arbitrary bytes after an ASCII prefix: a same-length ASCII marker now, patched
     into the serialized model."""
     tag = f"~{len(g.raw):05d}"
-    g.raw[prefix + tag] = prefix.encode() + (raw * len(tag))[:len(tag)]
+    g.raw[prefix + tag] = prefix.encode() + (raw * len(tag))[: len(tag)]
     return prefix + tag
 
 
@@ -570,8 +677,9 @@ def _choose(rng, items):
 
 
 def _pick_attr(rng, node, kinds=None, names=None):
-    choices = [k for k, (kind, _) in node.attrs.items()
-               if (kinds is None or kind in kinds) and (names is None or k in names)]
+    choices = [
+        k for k, (kind, _) in node.attrs.items() if (kinds is None or kind in kinds) and (names is None or k in names)
+    ]
     return rng.choice(choices) if choices else None
 
 
@@ -693,7 +801,7 @@ def m_attr_length(g, rng):
     return _record("attr_length", node, name, how)
 
 
-_INT_POOL = [-1, 2, 3, 7, 0, 1, INT64_MIN, INT64_MAX, 2**31, 2**32 + 1, -2**31]
+_INT_POOL = [-1, 2, 3, 7, 0, 1, INT64_MIN, INT64_MAX, 2**31, 2**32 + 1, -(2**31)]
 
 
 def m_attr_value(g, rng):
@@ -751,8 +859,11 @@ def m_rank(g, rng):
     return _record("rank", node, name, f"entry {i} = {value[i]}" + (" (graph follows)" if follow else ""))
 
 
-_POSITION_ATTRS = [f"input_{k}_{s}_positions" for k in ("bool", "int", "float", "pointer") for s in ("scalar",)] + [
-    f"input_{k}_tuple_positions" for k in ("bool", "int", "float")] + ["input_literal_positions"]
+_POSITION_ATTRS = (
+    [f"input_{k}_{s}_positions" for k in ("bool", "int", "float", "pointer") for s in ("scalar",)]
+    + [f"input_{k}_tuple_positions" for k in ("bool", "int", "float")]
+    + ["input_literal_positions"]
+)
 
 
 def m_position(g, rng):
@@ -785,13 +896,13 @@ def m_convention(g, rng):
     how = rng.choice(["flip", "append_c", "append_d", "delete", "foreign", "empty", "nul", "bytes", "long"])
     i = rng.randrange(len(conv)) if conv else 0
     if how == "flip" and conv:
-        new = conv[:i] + ("c" if conv[i] == "d" else "d") + conv[i + 1:]
+        new = conv[:i] + ("c" if conv[i] == "d" else "d") + conv[i + 1 :]
     elif how in ("append_c", "append_d"):
         new = conv + how[-1]
     elif how == "delete" and conv:
-        new = conv[:i] + conv[i + 1:]
+        new = conv[:i] + conv[i + 1 :]
     elif how == "foreign":
-        new = conv[:i] + rng.choice(["x", "D", "C", " ", "\u00e9"]) + conv[i + 1:]
+        new = conv[:i] + rng.choice(["x", "D", "C", " ", "\u00e9"]) + conv[i + 1 :]
     elif how == "nul":
         new = conv + "\x00" + conv
     elif how == "bytes":
@@ -805,8 +916,11 @@ def m_convention(g, rng):
 
 
 def m_tuple(g, rng):
-    nodes = [n for n in g.ortbridge_nodes("PythonOp") if any(f"input_{k}_tuple_begins" in n.attrs
-                                                             for k in ("int", "float", "bool"))]
+    nodes = [
+        n
+        for n in g.ortbridge_nodes("PythonOp")
+        if any(f"input_{k}_tuple_begins" in n.attrs for k in ("int", "float", "bool"))
+    ]
     if not nodes:
         return None
     node = rng.choice(nodes)
@@ -825,25 +939,73 @@ def m_tuple(g, rng):
 
 
 _LITERAL_ENTRIES = [
-    '{"dtype":"_dynamo"}', '{"dtype":"_inductor"}', '{"dtype":"onnx"}', '{"dtype":"export"}', '{"dtype":"_export"}',
-    '{"dtype":"compiler"}', '{"dtype":"_functorch"}', '{"dtype":"distributed"}', '{"dtype":"Tensor"}',
-    '{"dtype":"__class__"}', '{"dtype":"qint8"}', '{"dtype":5}', '{"dtype":"float16"}', '{"dtype":null}',
-    '{"device":"cuda:99999999999"}', '{"device":"cuda"}', '{"device":"meta"}', '{"device":"cpu:-1"}',
-    '{"device":"xla:0"}', '{"device":"privateuseone"}', '{"device":"mps"}', '{"device":""}', '{"device":7}',
-    '{"device":"cpu:99999999999999999999"}', '{"call":"os.system"}', '{"__reduce__":"x"}', '{"tuple":[1],"dict":[]}',
-    '{"dict":[[1,2]]}', '{"dict":[["a"]]}', '{"tuple":"ab"}', '{"tuple":{"tuple":[]}}', '{}',
-    "9" * 5000, "1e400", "-1e400", "NaN", "-Infinity", '"\\ud800"', '"a\\u0000b"', '"' + "s" * 1000000 + '"',
-    "[" * 50000 + "]" * 50000, '{"tuple":' * 2000 + "[]" + "}" * 2000, "[" + ",".join(["[]"] * 100000) + "]",
+    '{"dtype":"_dynamo"}',
+    '{"dtype":"_inductor"}',
+    '{"dtype":"onnx"}',
+    '{"dtype":"export"}',
+    '{"dtype":"_export"}',
+    '{"dtype":"compiler"}',
+    '{"dtype":"_functorch"}',
+    '{"dtype":"distributed"}',
+    '{"dtype":"Tensor"}',
+    '{"dtype":"__class__"}',
+    '{"dtype":"qint8"}',
+    '{"dtype":5}',
+    '{"dtype":"float16"}',
+    '{"dtype":null}',
+    '{"device":"cuda:99999999999"}',
+    '{"device":"cuda"}',
+    '{"device":"meta"}',
+    '{"device":"cpu:-1"}',
+    '{"device":"xla:0"}',
+    '{"device":"privateuseone"}',
+    '{"device":"mps"}',
+    '{"device":""}',
+    '{"device":7}',
+    '{"device":"cpu:99999999999999999999"}',
+    '{"call":"os.system"}',
+    '{"__reduce__":"x"}',
+    '{"tuple":[1],"dict":[]}',
+    '{"dict":[[1,2]]}',
+    '{"dict":[["a"]]}',
+    '{"tuple":"ab"}',
+    '{"tuple":{"tuple":[]}}',
+    "{}",
+    "9" * 5000,
+    "1e400",
+    "-1e400",
+    "NaN",
+    "-Infinity",
+    '"\\ud800"',
+    '"a\\u0000b"',
+    '"' + "s" * 1000000 + '"',
+    "[" * 50000 + "]" * 50000,
+    '{"tuple":' * 2000 + "[]" + "}" * 2000,
+    "[" + ",".join(["[]"] * 100000) + "]",
 ]
 _LITERAL_TEXTS = [
-    "", "[", "]", "null", "{}", "[1,]", "[1]\x00[2]", b'["\xff\xfe"]', b"[\xc3\x28]", "[1, 2]",
-    "[" * 100000 + "]" * 100000, "[" * 1000000, '[{"dtype":"_dynamo"}, 1]',
+    "",
+    "[",
+    "]",
+    "null",
+    "{}",
+    "[1,]",
+    "[1]\x00[2]",
+    b'["\xff\xfe"]',
+    b"[\xc3\x28]",
+    "[1, 2]",
+    "[" * 100000 + "]" * 100000,
+    "[" * 1000000,
+    '[{"dtype":"_dynamo"}, 1]',
 ]
 
 
 def m_literals(g, rng):
-    nodes = [n for n in g.ortbridge_nodes("PythonOp") if n.meta.get("literal_entries")
-             and n.attrs.get("input_literals", (None,))[0] == STRING]
+    nodes = [
+        n
+        for n in g.ortbridge_nodes("PythonOp")
+        if n.meta.get("literal_entries") and n.attrs.get("input_literals", (None,))[0] == STRING
+    ]
     if nodes and rng.random() < 0.7:
         node = rng.choice(nodes)
         entries = list(node.meta["literal_entries"])
@@ -881,12 +1043,34 @@ def _add_argument(node):
 
 
 _FUNC_NAMES = [
-    "", "fuzz.NoSuchFunction", "fuzz.Identity\x00evil", b"fuzz.\xff\xfeIdentity", "x" * 100000, "fuzz.identity",
-    "aten::empty.memory_format", "aten::add.__dict__", "os::system.default", "aten::", "::.", "aten::add",
-    "aten::no_such_op.default", "aten::add_.Tensor", "aten::from_file.default", "aten::as_strided.default",
-    "prims::empty_strided.default", "builtins::eval.default", "torch.autograd.Function", "aten::mul.Tensor",
-    "aten::_reshape_alias.default", "aten::set_.source_Tensor", "aten::resize_.default", "aten::add.out",
-    "aten::__class__.default", "aten::name.default", " fuzz.Identity", "fuzz.Identity\n",
+    "",
+    "fuzz.NoSuchFunction",
+    "fuzz.Identity\x00evil",
+    b"fuzz.\xff\xfeIdentity",
+    "x" * 100000,
+    "fuzz.identity",
+    "aten::empty.memory_format",
+    "aten::add.__dict__",
+    "os::system.default",
+    "aten::",
+    "::.",
+    "aten::add",
+    "aten::no_such_op.default",
+    "aten::add_.Tensor",
+    "aten::from_file.default",
+    "aten::as_strided.default",
+    "prims::empty_strided.default",
+    "builtins::eval.default",
+    "torch.autograd.Function",
+    "aten::mul.Tensor",
+    "aten::_reshape_alias.default",
+    "aten::set_.source_Tensor",
+    "aten::resize_.default",
+    "aten::add.out",
+    "aten::__class__.default",
+    "aten::name.default",
+    " fuzz.Identity",
+    "fuzz.Identity\n",
 ]
 
 
@@ -1038,8 +1222,11 @@ def m_float_bits(g, rng):
 
 
 def m_bool_value(g, rng):
-    nodes = [n for n in g.ortbridge_nodes("PythonOp") if any(a in n.attrs for a in ("input_bool_scalars",
-                                                                                    "input_bool_tuples"))]
+    nodes = [
+        n
+        for n in g.ortbridge_nodes("PythonOp")
+        if any(a in n.attrs for a in ("input_bool_scalars", "input_bool_tuples"))
+    ]
     if not nodes:
         return None
     node = rng.choice(nodes)
@@ -1145,7 +1332,7 @@ def m_bad_value_name(g, rng):
     elif how == "long":
         new = old + "V" * 100000
     elif how == "unicode":
-        new = old + "\u00e9\U0001F600"
+        new = old + "\u00e9\U0001f600"
     else:
         new = old + "\x00x"
     g.rename_value(old, new)
@@ -1185,9 +1372,14 @@ def m_ctx_forged(g, rng):
     bw = rng.choice(nodes)
     value = rng.choice([0, -1, 1, 2, 3, 7, INT64_MAX, INT64_MIN, rng.randint(1, 10**6)])
     form = rng.choice(["scalar", "scalar", "shape1", "shape2", "float", "int32", "feed"])
-    array = {"scalar": np.asarray(value, np.int64), "shape1": np.asarray([value], np.int64),
-             "shape2": np.asarray([value, value], np.int64), "float": np.asarray(float(value), np.float32),
-             "int32": np.asarray(value % 2**31, np.int32), "feed": np.asarray(value, np.int64)}[form]
+    array = {
+        "scalar": np.asarray(value, np.int64),
+        "shape1": np.asarray([value], np.int64),
+        "shape2": np.asarray([value, value], np.int64),
+        "float": np.asarray(float(value), np.float32),
+        "int32": np.asarray(value % 2**31, np.int32),
+        "feed": np.asarray(value, np.int64),
+    }[form]
     name = f"forged_ctx_{len(g.initializers)}"
     if form == "feed":
         g.inputs.append([name, 7, []])
@@ -1239,8 +1431,14 @@ def m_ctx_twice(g, rng):
     if not nodes:
         return None
     bw = rng.choice(nodes)
-    twin = Node(bw.op, bw.name + "_twin", list(bw.inputs), [o + "_twin" if o else "" for o in bw.outputs],
-                dict(bw.attrs), meta=dict(bw.meta))
+    twin = Node(
+        bw.op,
+        bw.name + "_twin",
+        list(bw.inputs),
+        [o + "_twin" if o else "" for o in bw.outputs],
+        dict(bw.attrs),
+        meta=dict(bw.meta),
+    )
     g.nodes.append(twin)
     for o, twin_o in zip(bw.outputs, twin.outputs):
         declared = next((x for x in g.outputs if x[0] == o), None)
@@ -1332,18 +1530,64 @@ def m_fold(g, rng):
     return _record("fold", node, None)
 
 
-MUTATIONS = {f.__name__.removeprefix("m_"): f for f in (
-    m_attr_type, m_attr_missing, m_attr_length, m_attr_value, m_elem_type, m_rank, m_position, m_convention,
-    m_tuple, m_literals, m_func_name, m_reuse_map, m_reuse_size, m_requires_grads, m_flags, m_grad_present,
-    m_grad_requires, m_grad_type, m_pointer, m_float_bits, m_bool_value, m_string_bytes,
-    m_empty_output_name, m_duplicate_name, m_bad_node_name, m_bad_value_name, m_ctx_unconsumed, m_ctx_forged,
-    m_ctx_rewire, m_ctx_twice, m_declared_mismatch, m_inputs, m_outputs, m_opset, m_fold)}
+MUTATIONS = {
+    f.__name__.removeprefix("m_"): f
+    for f in (
+        m_attr_type,
+        m_attr_missing,
+        m_attr_length,
+        m_attr_value,
+        m_elem_type,
+        m_rank,
+        m_position,
+        m_convention,
+        m_tuple,
+        m_literals,
+        m_func_name,
+        m_reuse_map,
+        m_reuse_size,
+        m_requires_grads,
+        m_flags,
+        m_grad_present,
+        m_grad_requires,
+        m_grad_type,
+        m_pointer,
+        m_float_bits,
+        m_bool_value,
+        m_string_bytes,
+        m_empty_output_name,
+        m_duplicate_name,
+        m_bad_node_name,
+        m_bad_value_name,
+        m_ctx_unconsumed,
+        m_ctx_forged,
+        m_ctx_rewire,
+        m_ctx_twice,
+        m_declared_mismatch,
+        m_inputs,
+        m_outputs,
+        m_opset,
+        m_fold,
+    )
+}
 # Mutations that target the crash classes found so far are drawn more often.
 WEIGHTS = {name: 1.0 for name in MUTATIONS} | {
-    "attr_type": 2, "attr_value": 2, "elem_type": 2, "rank": 1.5, "literals": 2, "ctx_forged": 1.5,
-    "ctx_rewire": 1.5, "grad_type": 3, "reuse_map": 1.5, "string_bytes": 1.5,
+    "attr_type": 2,
+    "attr_value": 2,
+    "elem_type": 2,
+    "rank": 1.5,
+    "literals": 2,
+    "ctx_forged": 1.5,
+    "ctx_rewire": 1.5,
+    "grad_type": 3,
+    "reuse_map": 1.5,
+    "string_bytes": 1.5,
     # (these apply to few graphs, and are redrawn elsewhere)
-    "position": 4, "tuple": 6, "bool_value": 6, "float_bits": 4}
+    "position": 4,
+    "tuple": 6,
+    "bool_value": 6,
+    "float_bits": 4,
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1389,12 +1633,18 @@ def serialize(g: Graph) -> bytes:
         proto = helper.make_node(n.op, n.inputs, n.outputs, name=n.name, domain=n.domain)
         proto.attribute.extend(_attribute(k, kind, v) for k, (kind, v) in n.attrs.items())
         nodes.append(proto)
-    graph = helper.make_graph(nodes, "fuzz", [_value_info(i) for i in g.inputs], [_value_info(o) for o in g.outputs],
-                              initializer=[numpy_helper.from_array(v, k) for k, v in g.initializers.items()],
-                              value_info=[_value_info(v) for v in g.value_info])
+    graph = helper.make_graph(
+        nodes,
+        "fuzz",
+        [_value_info(i) for i in g.inputs],
+        [_value_info(o) for o in g.outputs],
+        initializer=[numpy_helper.from_array(v, k) for k, v in g.initializers.items()],
+        value_info=[_value_info(v) for v in g.value_info],
+    )
     # IR version 8, as the project's tests use (older ONNX Runtime releases load it too).
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in g.opsets.items()],
-                              ir_version=8)
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid(d, v) for d, v in g.opsets.items()], ir_version=8
+    )
     data = model.SerializeToString()
     for marker in sorted(g.raw, key=len, reverse=True):  # (a marker may extend an older one)
         data = data.replace(marker.encode(), g.raw[marker])
@@ -1441,8 +1691,15 @@ def _case(seed, index, base_name, rng, mutate):
     mutations, nodes = [], set()
     for r in records:
         node = r["node"]
-        mutations.append({"kind": r["kind"], "node": _display(g, node.name), "match": _name_match(g, node.name),
-                          "attribute": r["attribute"], "detail": r["detail"]})
+        mutations.append(
+            {
+                "kind": r["kind"],
+                "node": _display(g, node.name),
+                "match": _name_match(g, node.name),
+                "attribute": r["attribute"],
+                "detail": r["detail"],
+            }
+        )
         touched = [node] + r["also"]
         if r["attribute"] is None or r["attribute"] in _TYPE_ATTRIBUTES:
             # A mistake between two nodes (a type, a value, an edge) may be reported at either.
@@ -1454,7 +1711,10 @@ def _case(seed, index, base_name, rng, mutate):
     attrs = [m["attribute"] for m in mutations]
     forwards = [n for n in g.nodes if n.domain == DOMAIN and n.op == "PythonOp" and n.outputs]
     description = {
-        "seed": seed, "index": index, "base": base_name, "mutations": mutations,
+        "seed": seed,
+        "index": index,
+        "base": base_name,
+        "mutations": mutations,
         "kinds": sorted({m["kind"] for m in mutations}),
         # every node a mutation touched, as an error message would show it
         "nodes": sorted(nodes),

@@ -31,6 +31,7 @@ import traceback
 if __package__ in (None, ""):  # run by path: import the package this file belongs to
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     import tests.fuzz  # noqa: F401
+
     __package__ = "tests.fuzz"
 
 import numpy as np
@@ -101,11 +102,22 @@ class Runner:
 
     def run_case(self, model: bytes, feeds: dict, desc: dict) -> dict:
         ortbridge = self.ortbridge
-        result = {"index": desc["index"], "base": desc["base"], "kinds": desc["kinds"],
-                  "mutations": [f"{m['kind']} {m['attribute'] or '-'} {m['detail']}"[:100] for m in desc["mutations"]],
-                  "outcome": "ok",
-                  "create_s": 0.0, "run_s": 0.0, "rss_mb": 0.0, "message": None, "names_node": None,
-                  "names_attr": None, "leaked": 0, "imports": [], "anomalies": []}
+        result = {
+            "index": desc["index"],
+            "base": desc["base"],
+            "kinds": desc["kinds"],
+            "mutations": [f"{m['kind']} {m['attribute'] or '-'} {m['detail']}"[:100] for m in desc["mutations"]],
+            "outcome": "ok",
+            "create_s": 0.0,
+            "run_s": 0.0,
+            "rss_mb": 0.0,
+            "message": None,
+            "names_node": None,
+            "names_attr": None,
+            "leaked": 0,
+            "imports": [],
+            "anomalies": [],
+        }
         pool_before = ortbridge.context_pool_size()
         modules_before = set(sys.modules)
         rss0, peak0 = rss_bytes(), peak_bytes()
@@ -197,8 +209,13 @@ def main(argv=None) -> int:
             try:
                 model, feeds, desc = make_case(args.seed, index)
             except Exception as e:  # a bug of the fuzzer, not of ortbridge: recorded, not a crash
-                record = {"index": index, "outcome": "generator_error", "kinds": [], "base": None,
-                          "message": "".join(traceback.format_exception(e))[-MESSAGE_CHARS:]}
+                record = {
+                    "index": index,
+                    "outcome": "generator_error",
+                    "kinds": [],
+                    "base": None,
+                    "message": "".join(traceback.format_exception(e))[-MESSAGE_CHARS:],
+                }
             else:
                 record = runner.run_case(model, feeds, desc)
             results.write(json.dumps(record) + "\n")

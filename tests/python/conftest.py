@@ -22,6 +22,7 @@ OPSETS = [helper.make_opsetid("", 17), helper.make_opsetid("ortbridge", 1)]
 @dataclass
 class T:
     """A tensor argument of a PythonOp node: graph value name, ONNX element type, rank."""
+
     name: str
     elem_type: int = TensorProto.FLOAT
     rank: int = 1
@@ -32,8 +33,17 @@ def _f64_bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", x))[0]
 
 
-def python_op(func, args: list, outputs: list, *, out_names: list, ctx_name: str = "ctx",
-              training: bool = False, name: str = "fw", **extra) -> onnx.NodeProto:
+def python_op(
+    func,
+    args: list,
+    outputs: list,
+    *,
+    out_names: list,
+    ctx_name: str = "ctx",
+    training: bool = False,
+    name: str = "fw",
+    **extra,
+) -> onnx.NodeProto:
     """A PythonOp calling `func.apply(*args)`; tensors are T(...), anything else a constant.
     `outputs` lists (elem_type, rank) per Function output."""
     convention, tensors, requires = "", [], []
@@ -68,28 +78,45 @@ def python_op(func, args: list, outputs: list, *, out_names: list, ctx_name: str
         else:
             add("input_pointer_scalars", registry.pin_object(a)), add("input_pointer_scalar_positions", position)
     attrs.update(
-        func_name=func if isinstance(func, str) else registry.registered_name(func), input_convention=convention,
-        input_tensor_types=[t.elem_type for t in tensors], input_tensor_ranks=[t.rank for t in tensors],
-        input_requires_grads=requires, output_tensor_types=[o[0] for o in outputs],
-        output_tensor_ranks=[o[1] for o in outputs], training_mode=int(training))
+        func_name=func if isinstance(func, str) else registry.registered_name(func),
+        input_convention=convention,
+        input_tensor_types=[t.elem_type for t in tensors],
+        input_tensor_ranks=[t.rank for t in tensors],
+        input_requires_grads=requires,
+        output_tensor_types=[o[0] for o in outputs],
+        output_tensor_ranks=[o[1] for o in outputs],
+        training_mode=int(training),
+    )
     attrs.update(extra)
-    return helper.make_node("PythonOp", [t.name for t in tensors], [ctx_name, *out_names], domain="ortbridge",
-                            name=name, **attrs)
+    return helper.make_node(
+        "PythonOp", [t.name for t in tensors], [ctx_name, *out_names], domain="ortbridge", name=name, **attrs
+    )
 
 
-def python_op_grad(func, convention: str, grad_inputs: list, grad_outputs: list, *, ctx_name: str = "ctx",
-                   name: str = "bw", **extra) -> onnx.NodeProto:
+def python_op_grad(
+    func, convention: str, grad_inputs: list, grad_outputs: list, *, ctx_name: str = "ctx", name: str = "bw", **extra
+) -> onnx.NodeProto:
     """A PythonOpGrad. grad_inputs: (value name or None if absent, elem_type, rank) per forward
     output; grad_outputs: (value name or None if not wanted, elem_type, rank) per forward tensor."""
     attrs = dict(
-        func_name=func if isinstance(func, str) else registry.registered_name(func), output_convention=convention,
-        input_tensor_types=[g[1] for g in grad_inputs], input_tensor_ranks=[g[2] for g in grad_inputs],
+        func_name=func if isinstance(func, str) else registry.registered_name(func),
+        output_convention=convention,
+        input_tensor_types=[g[1] for g in grad_inputs],
+        input_tensor_ranks=[g[2] for g in grad_inputs],
         input_tensor_present=[int(g[0] is not None) for g in grad_inputs],
-        output_tensor_types=[g[1] for g in grad_outputs], output_tensor_ranks=[g[2] for g in grad_outputs],
-        output_tensor_requires_grads=[int(g[0] is not None) for g in grad_outputs])
+        output_tensor_types=[g[1] for g in grad_outputs],
+        output_tensor_ranks=[g[2] for g in grad_outputs],
+        output_tensor_requires_grads=[int(g[0] is not None) for g in grad_outputs],
+    )
     attrs.update(extra)
-    return helper.make_node("PythonOpGrad", [ctx_name] + [g[0] for g in grad_inputs if g[0] is not None],
-                            [g[0] or "" for g in grad_outputs], domain="ortbridge", name=name, **attrs)
+    return helper.make_node(
+        "PythonOpGrad",
+        [ctx_name] + [g[0] for g in grad_inputs if g[0] is not None],
+        [g[0] or "" for g in grad_outputs],
+        domain="ortbridge",
+        name=name,
+        **attrs,
+    )
 
 
 def value(name: str, elem_type: int = TensorProto.FLOAT, shape=None):
@@ -108,8 +135,9 @@ def model(nodes: list, inputs: list, outputs: list) -> bytes:
 DEVICE_PATH = os.environ.get("ORTBRIDGE_TEST_KERNEL_PATH") == "device"
 
 
-def session(model_bytes: bytes, sess_options: ort.SessionOptions | None = None, *, device_path: bool = DEVICE_PATH,
-            **kwargs) -> ortbridge.InferenceSession:
+def session(
+    model_bytes: bytes, sess_options: ort.SessionOptions | None = None, *, device_path: bool = DEVICE_PATH, **kwargs
+) -> ortbridge.InferenceSession:
     if device_path:
         sess_options = sess_options or ort.SessionOptions()
         sess_options.add_session_config_entry(ortbridge.runtime.CPU_KERNELS_VIA_TORCH, "1")

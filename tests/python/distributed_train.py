@@ -79,8 +79,9 @@ def _difference(eager: nn.Module, wrapped: nn.Module, what: str) -> float:
     if what == "buffer":
         pairs = zip(eager.buffers(), wrapped.buffers())
     else:
-        pairs = ((p.grad, q.grad) if what == "grad" else (p, q)
-                 for p, q in zip(eager.parameters(), wrapped.parameters()))
+        pairs = (
+            (p.grad, q.grad) if what == "grad" else (p, q) for p, q in zip(eager.parameters(), wrapped.parameters())
+        )
     worst = 0.0
     for a, b in pairs:
         if (a is None) != (b is None):
@@ -134,12 +135,16 @@ def _ddp(**options):
         make = lambda: Net(**{k: v for k, v in options.items() if k in ("batch_norm", "unused")})  # noqa: E731
         ddp = {k: v for k, v in options.items() if k in ("find_unused_parameters", "static_graph", "bucket_cap_mb")}
         wrap = lambda m: ortbridge.OrtModule(m, backward_stages=options.get("backward_stages"))  # noqa: E731
-        ours = (lambda m: torch.compile(DDP(m, **ddp), backend="ortbridge")) if options.get("compiled") else \
-            (lambda m: DDP(wrap(m), **ddp))
+        ours = (
+            (lambda m: torch.compile(DDP(m, **ddp), backend="ortbridge"))
+            if options.get("compiled")
+            else (lambda m: DDP(wrap(m), **ddp))
+        )
         models = _pair(make, lambda m: DDP(m, **ddp), ours)
         difference = _train(list(models), rank, accumulate=options.get("accumulate", 1))
         _check_stages(models[1], options.get("stages", 1))
         return difference
+
     return case
 
 
@@ -176,8 +181,11 @@ def _ddp_join(rank):
 
 def _fsdp(mixed_precision=False, compiled=False, backward_stages=None, **options):
     def shard(model):
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision \
+        policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if mixed_precision
             else MixedPrecisionPolicy()
+        )
         for block in model.blocks:
             fully_shard(block, mp_policy=policy)
         return fully_shard(model, mp_policy=policy)
@@ -188,6 +196,7 @@ def _fsdp(mixed_precision=False, compiled=False, backward_stages=None, **options
         difference = _train(list(models), rank)
         _check_stages(models[1], backward_stages or 1)
         return difference
+
     return case
 
 
@@ -203,10 +212,18 @@ def _fsdp_keeps_no_gathered_parameter(rank):
             loss = model(_data(rank, 0)).square().mean()
         # (the blocks': the root's are not freed after forward, as its backward starts at once)
         full = [_full(p.detach()) for p in model.blocks.parameters()]
-        kept = [t for t in saved if t.untyped_storage().nbytes() and
-                any(t.numel() == p.numel() and (torch.equal(t.reshape(p.shape), p) or
-                                                 (p.dim() == 2 and torch.equal(t.reshape(p.t().shape), p.t())))
-                    for p in full)]
+        kept = [
+            t
+            for t in saved
+            if t.untyped_storage().nbytes()
+            and any(
+                t.numel() == p.numel()
+                and (
+                    torch.equal(t.reshape(p.shape), p) or (p.dim() == 2 and torch.equal(t.reshape(p.t().shape), p.t()))
+                )
+                for p in full
+            )
+        ]
         loss.backward()
     return float(len(kept))
 
@@ -242,8 +259,9 @@ def _blocks_compiled(model: Net) -> Net:
 
 def _blocks_wrapped(model: Net, backward_stages: int | None = None) -> Net:
     """The usual pattern: each block an OrtModule, then sharded."""
-    model.blocks = nn.ModuleList([ortbridge.OrtModule(block, backward_stages=backward_stages)
-                                  for block in model.blocks])
+    model.blocks = nn.ModuleList(
+        [ortbridge.OrtModule(block, backward_stages=backward_stages) for block in model.blocks]
+    )
     return model
 
 

@@ -26,8 +26,9 @@ def assert_close(actual, expected, what: str, rtol: float = RTOL, atol: float = 
     a, e = tensors_of(actual), tensors_of(expected)
     assert len(a) == len(e), f"{what}: {len(a)} tensors, eager has {len(e)}"
     for x, y in zip(a, e):
-        assert x.dtype == y.dtype and x.shape == y.shape and x.device == y.device, \
+        assert x.dtype == y.dtype and x.shape == y.shape and x.device == y.device, (
             f"{what}: {x.dtype}{list(x.shape)} on {x.device} vs {y.dtype}{list(y.shape)} on {y.device}"
+        )
         torch.testing.assert_close(x.detach(), y.detach(), rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
@@ -36,8 +37,18 @@ def _inner(wrapped):
     return getattr(wrapped, "module", getattr(wrapped, "_orig_mod", wrapped))
 
 
-def train_side_by_side(model: nn.Module, batch, loss_fn, *, steps: int = 3, optimizer: str = "sgd",
-                       lr: float | None = None, wrap=None, rtol: float = RTOL, atol: float = ATOL):
+def train_side_by_side(
+    model: nn.Module,
+    batch,
+    loss_fn,
+    *,
+    steps: int = 3,
+    optimizer: str = "sgd",
+    lr: float | None = None,
+    wrap=None,
+    rtol: float = RTOL,
+    atol: float = ATOL,
+):
     """Trains `model` (eager) and `wrap(deepcopy(model))` (OrtModule by default) on the same
     inputs; batch(step) -> (args, kwargs), loss_fn(outputs, step) -> loss; optimizer "sgd" (momentum
     0.9, lr 0.01 unless given) or "adamw" (lr 1e-3 unless given). After each step: outputs, loss,

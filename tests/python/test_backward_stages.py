@@ -57,8 +57,11 @@ def _order(wrapped) -> list:
     """What one backward of the 4-block model did, in order: each Function's backward, and each
     parameter (by its block) as its gradient was accumulated."""
     EVENTS.clear()
-    handles = [p.register_post_accumulate_grad_hook(lambda p, k=k: EVENTS.append(k))
-               for k, block in enumerate(wrapped.module) for p in block.parameters()]
+    handles = [
+        p.register_post_accumulate_grad_hook(lambda p, k=k: EVENTS.append(k))
+        for k, block in enumerate(wrapped.module)
+        for p in block.parameters()
+    ]
     try:
         wrapped(torch.randn(8, 16)).square().sum().backward()
     finally:
@@ -86,6 +89,7 @@ def _batch(shape=(8, 16), requires_grad=True):
     def batch(step):
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(step))
         return (x.requires_grad_(requires_grad),), {}
+
     return batch
 
 
@@ -154,8 +158,7 @@ def test_create_graph_gives_first_order_gradients_as_eager():
     eager = _blocks()
     staged = _staged(3)(copy.deepcopy(eager))
     x = torch.randn(8, 16)
-    grads = [torch.autograd.grad(m(x).square().sum(), list(m.parameters()), create_graph=True)
-             for m in (eager, staged)]
+    grads = [torch.autograd.grad(m(x).square().sum(), list(m.parameters()), create_graph=True) for m in (eager, staged)]
     assert_close(grads[1], grads[0], "first-order gradients")
     with pytest.raises(RuntimeError, match="double backward"):
         grads[1][0].sum().backward()
@@ -185,8 +188,10 @@ def test_gradients_of_only_the_last_block():
     eager = _blocks()
     staged = _staged(4)(copy.deepcopy(eager))
     x = torch.randn(8, 16)
-    wanted = [list(m[3].parameters()) if isinstance(m, nn.Sequential) else list(m.module[3].parameters())
-              for m in (eager, staged)]
+    wanted = [
+        list(m[3].parameters()) if isinstance(m, nn.Sequential) else list(m.module[3].parameters())
+        for m in (eager, staged)
+    ]
     grads = [torch.autograd.grad(m(x).square().sum(), w) for m, w in zip((eager, staged), wanted)]
     assert_close(grads[1], grads[0], "the last block's gradients")
     assert ortbridge.context_pool_size() == 0

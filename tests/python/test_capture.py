@@ -17,20 +17,23 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from test_training import _all_captures, train_like_eager
 from torch.utils.checkpoint import checkpoint
 
 import ortbridge
 from ortbridge import _torch_private, registry
 from ortbridge.core.interception import intercepted
-from test_training import _all_captures, train_like_eager
 
 F = torch.nn.functional
 
 
 def _ortbridge_nodes(model: onnx.ModelProto) -> list[str]:
     """func_name of each ortbridge node, in graph order."""
-    return [next(a.s.decode() for a in n.attribute if a.name == "func_name")
-            for n in model.graph.node if n.domain == "ortbridge"]
+    return [
+        next(a.s.decode() for a in n.attribute if a.name == "func_name")
+        for n in model.graph.node
+        if n.domain == "ortbridge"
+    ]
 
 
 def _graph_nodes(wrapped, kind: int) -> list[str]:
@@ -53,7 +56,7 @@ class Gelu(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
-        cdf = 0.5 * (1 + torch.erf(x / 2 ** 0.5))
+        cdf = 0.5 * (1 + torch.erf(x / 2**0.5))
         return grad * (cdf + x * torch.exp(-0.5 * x * x) / (2 * torch.pi) ** 0.5)
 
 
@@ -71,11 +74,18 @@ class Noise(torch.autograd.Function):
 
 # --- operators torch's ONNX exporter cannot write -----------------------------------------------
 
+
 def test_convolution_and_pooling_train_with_their_backward_run_by_pytorch():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.AvgPool2d(2),
-                                torch.nn.Conv2d(4, 4, 3, groups=2), torch.nn.AdaptiveAvgPool2d(1),
-                                torch.nn.Flatten(), torch.nn.Linear(4, 2))
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.AvgPool2d(2),
+        torch.nn.Conv2d(4, 4, 3, groups=2),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(4, 2),
+    )
     wrapped = train_like_eager(model, _images)
     backward = _graph_nodes(wrapped, 1)
     assert "aten::convolution_backward.default" in backward
@@ -91,12 +101,21 @@ def test_fallback_nodes_are_traced_alone_where_shapes_are_static(dynamic, monkey
     # an output mask), with symbolic sizes the program is traced again.
     traces = []
     decompose = torch.export.ExportedProgram.run_decompositions
-    monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions",
-                        lambda self, *args, **kwargs: traces.append(args) or decompose(self, *args, **kwargs))
+    monkeypatch.setattr(
+        torch.export.ExportedProgram,
+        "run_decompositions",
+        lambda self, *args, **kwargs: traces.append(args) or decompose(self, *args, **kwargs),
+    )
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Hardswish(),
-                                torch.nn.Conv2d(4, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(),
-                                torch.nn.Linear(144, 2))
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3),
+        torch.nn.BatchNorm2d(4),
+        torch.nn.Hardswish(),
+        torch.nn.Conv2d(4, 4, 3),
+        torch.nn.BatchNorm2d(4),
+        torch.nn.Flatten(),
+        torch.nn.Linear(144, 2),
+    )
     wrapped = train_like_eager(model, _images, wrap=functools.partial(ortbridge.OrtModule, dynamic=dynamic))
     assert "aten::native_batch_norm_backward.default" in _graph_nodes(wrapped, 1)
     for name, buffer in model.named_buffers():
@@ -106,8 +125,9 @@ def test_fallback_nodes_are_traced_alone_where_shapes_are_static(dynamic, monkey
 
 def test_torch_compile_trains_a_cnn():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Hardswish(), torch.nn.Flatten(),
-                                torch.nn.Linear(256, 2))
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.Hardswish(), torch.nn.Flatten(), torch.nn.Linear(256, 2)
+    )
     train_like_eager(model, _images, wrap=lambda m: torch.compile(m, backend="ortbridge"))
 
 
@@ -128,7 +148,9 @@ class Tripling(torch.nn.Module):
 
 def test_export_runs_an_operator_without_onnx_translation_in_pytorch():
     x = torch.randn(5, 4)
-    with pytest.raises(ortbridge.ExportError, match=r"ortbridge_test::triple.default .*allow_operators\('ortbridge_test'\)"):
+    with pytest.raises(
+        ortbridge.ExportError, match=r"ortbridge_test::triple.default .*allow_operators\('ortbridge_test'\)"
+    ):
         ortbridge.export(Tripling(), (x,))
     ortbridge.allow_operators("ortbridge_test")
     model = ortbridge.export(Tripling(), (x,), dynamic_shapes={"x": {0: "batch"}})
@@ -140,10 +162,24 @@ def test_export_runs_an_operator_without_onnx_translation_in_pytorch():
         np.testing.assert_allclose(y, (x * 3).sum(1).numpy(), rtol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["os::system.default", "aten::from_file.default", "aten::__class__.default",
-                                  "aten::name.default", "aten::add.__dict__", "aten::add", "aten::no_such_op.default",
-                                  "not_allowed::triple.default", "aten::_reshape_alias.default", "aten::add_.Tensor",
-                                  "aten::add.out", "aten::empty.memory_format", "aten::as_strided.default"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "os::system.default",
+        "aten::from_file.default",
+        "aten::__class__.default",
+        "aten::name.default",
+        "aten::add.__dict__",
+        "aten::add",
+        "aten::no_such_op.default",
+        "not_allowed::triple.default",
+        "aten::_reshape_alias.default",
+        "aten::add_.Tensor",
+        "aten::add.out",
+        "aten::empty.memory_format",
+        "aten::as_strided.default",
+    ],
+)
 def test_operator_names_resolve_only_to_allowed_registered_operators(name):
     with pytest.raises(LookupError):
         registry.lookup(name)
@@ -154,8 +190,10 @@ def test_a_node_onnx_runtimes_optimizer_made_without_a_kernel_names_the_optimize
     # float64 kernel for: the session is made again with that optimizer off.)
     from ortbridge.core import fallback
 
-    error = ("[ONNXRuntimeError] : 9 : NOT_IMPLEMENTED : Failed to find kernel for com.microsoft.FusedMatMul(1) "
-             "(node:'node_mm_2/MatmulTransposeFusion/' ep:'CPUExecutionProvider').")
+    error = (
+        "[ONNXRuntimeError] : 9 : NOT_IMPLEMENTED : Failed to find kernel for com.microsoft.FusedMatMul(1) "
+        "(node:'node_mm_2/MatmulTransposeFusion/' ep:'CPUExecutionProvider')."
+    )
     assert fallback.optimizer_without_kernel(error) == "MatmulTransposeFusion"
     assert fallback.optimizer_without_kernel("Failed to find kernel for Relu(14) (node:'node_relu' ep:'CPU')") is None
 
@@ -194,8 +232,14 @@ class EveryWay(torch.nn.Module):
 
     def forward(self, x):
         h = self.lin(x)
-        return (Gelu.apply(h) + self.bound(h * 2) + self.partial(h * 3) + self.closure(h * 4) + _aliased(h * 5)
-                + HalfGelu.apply(h * 6))
+        return (
+            Gelu.apply(h)
+            + self.bound(h * 2)
+            + self.partial(h * 3)
+            + self.closure(h * 4)
+            + _aliased(h * 5)
+            + HalfGelu.apply(h * 6)
+        )
 
 
 def _every_way_counted(names: list) -> tuple:
@@ -274,10 +318,13 @@ def test_apply_is_routed_only_during_a_capture_and_calls_cost_the_same_outside()
 
 
 @pytest.mark.skipif(not _torch_private.APPLY_IN_C, reason="torch < 2.14: Function.apply is a Python function here")
-@pytest.mark.parametrize("descriptor, match", [
-    (str.__dict__["join"], "is a method_descriptor, not a classmethod descriptor"),
-    (dict.__dict__["fromkeys"], "calling convention flags 0x"),
-])
+@pytest.mark.parametrize(
+    "descriptor, match",
+    [
+        (str.__dict__["join"], "is a method_descriptor, not a classmethod descriptor"),
+        (dict.__dict__["fromkeys"], "calling convention flags 0x"),
+    ],
+)
 def test_a_c_apply_of_another_shape_is_refused_naming_what_changed(descriptor, match):
     from ortbridge import _C
 
@@ -295,6 +342,7 @@ def test_a_torch_older_than_the_oldest_supported_is_refused_at_import():
 
 
 # --- every call its own node --------------------------------------------------------------------
+
 
 class Twice(torch.nn.Module):
     def __init__(self):
@@ -370,6 +418,7 @@ def test_a_function_drawing_random_numbers_twice_draws_twice():
 
 # --- library code sees a trace ------------------------------------------------------------------
 
+
 class AsksIfCompiling(torch.nn.Module):
     def forward(self, x):
         return x * 2 if torch.compiler.is_compiling() and torch.compiler.is_exporting() else x * 3
@@ -394,6 +443,7 @@ def test_data_dependent_failure_names_the_users_line():
 
 
 # --- module state -------------------------------------------------------------------------------
+
 
 class PlainTensorAttribute(torch.nn.Module):
     def __init__(self):
@@ -441,6 +491,7 @@ def test_parameters_and_modules_have_the_wrapped_modules_names():
 
 # --- arguments ----------------------------------------------------------------------------------
 
+
 class Checkpointed(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -465,8 +516,11 @@ class HoldsTensor(torch.nn.Module):
 
 
 def test_a_callable_holding_a_tensor_of_the_run_is_refused_naming_the_argument():
-    with pytest.raises(ortbridge.ExportError, match=r"argument 0 of .*CheckpointFunction.apply is a function that "
-                                                    r"holds a \(3,\) tensor"):
+    with pytest.raises(
+        ortbridge.ExportError,
+        match=r"argument 0 of .*CheckpointFunction.apply is a function that "
+        r"holds a \(3,\) tensor",
+    ):
         ortbridge.OrtModule(HoldsTensor())(torch.ones(3, requires_grad=True))
 
 
@@ -523,6 +577,7 @@ class _Calls(torch.nn.Module):
 
 # --- the forward/backward split ---------------------------------------------------------------
 
+
 def test_saved_views_of_weights_are_made_in_the_backward_graph():
     # torch saves t(weight) of a Linear for backward as a free view; as a forward graph output it
     # would be a Transpose made at every run (and a reshaped activation a copy). The split saves
@@ -532,8 +587,9 @@ def test_saved_views_of_weights_are_made_in_the_backward_graph():
     (capture,) = _all_captures(wrapped)
     forward, backward = (s.model.graph for s in capture.sessions)
     made_by = {o: n.op_type for n in forward.node for o in n.output}
-    outputs = [made_by.get(o.name, "input") for o in forward.output
-               if o.type.tensor_type.elem_type != onnx.TensorProto.INT64]  # (not the context ids)
+    outputs = [
+        made_by.get(o.name, "input") for o in forward.output if o.type.tensor_type.elem_type != onnx.TensorProto.INT64
+    ]  # (not the context ids)
     saved = outputs[1:]  # (outputs[0] is the module's result, its reshape back to 3-d the user's)
     assert saved and "Transpose" not in saved and "Reshape" not in saved, outputs
     shapes = [[d.dim_value for d in i.type.tensor_type.shape.dim] for i in backward.input]
@@ -573,8 +629,9 @@ class _MaskedAttention(_Attention):
     def forward(self, x, mask):
         b, n, c = x.shape
         q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
-        return self.out(_Calls(Gelu)(F.scaled_dot_product_attention(q, k, v, attn_mask=mask)).transpose(1, 2)
-                        .reshape(b, n, c))
+        return self.out(
+            _Calls(Gelu)(F.scaled_dot_product_attention(q, k, v, attn_mask=mask)).transpose(1, 2).reshape(b, n, c)
+        )
 
 
 def _masked_inputs(step: int) -> tuple:
@@ -646,11 +703,15 @@ def test_the_recording_run_keeps_nothing_alive():
     def alive() -> int:  # (tensors of the model's activations: rows of 11)
         gc.collect()
         kept = {id(t) for c in _all_captures(wrapped) for s in c.sessions for b in s._bindings for t in b.kept.values()}
-        return sum(1 for o in gc.get_objects()
-                   if type(o) is torch.Tensor and o.dim() == 2 and o.shape[1] == 11 and id(o) not in kept)
+        return sum(
+            1
+            for o in gc.get_objects()
+            if type(o) is torch.Tensor and o.dim() == 2 and o.shape[1] == 11 and id(o) not in kept
+        )
 
-    wrapped = ortbridge.OrtModule(torch.nn.Sequential(torch.nn.Linear(5, 11), torch.nn.Sigmoid(),
-                                                      _Calls(SavesItsOutput), torch.nn.Sigmoid()))
+    wrapped = ortbridge.OrtModule(
+        torch.nn.Sequential(torch.nn.Linear(5, 11), torch.nn.Sigmoid(), _Calls(SavesItsOutput), torch.nn.Sigmoid())
+    )
     before = alive()
     for rows in (2, 3, 4):  # (a capture each)
         wrapped(torch.randn(rows, 5)).sum().backward()
@@ -720,8 +781,13 @@ def test_a_function_keeps_its_computed_input_without_a_copy():
     wrapped = ortbridge.OrtModule(copy.deepcopy(model))
     for step in range(3):
         SavesItsInput.addresses.clear()
-        xs = [[torch.randn(2, 3, 6, generator=torch.Generator().manual_seed(10 * step + k)).requires_grad_()
-               for k in range(2)] for _ in (model, wrapped)]
+        xs = [
+            [
+                torch.randn(2, 3, 6, generator=torch.Generator().manual_seed(10 * step + k)).requires_grad_()
+                for k in range(2)
+            ]
+            for _ in (model, wrapped)
+        ]
         # Two forwards before either backward, torch's allocator busy in between: each kept input
         # must still hold its own values.
         losses = [[m(x).square().sum() for x in inputs] for m, inputs in zip((model, wrapped), xs)]
@@ -758,12 +824,13 @@ def test_a_run_writes_what_only_the_step_holds_into_the_last_steps_buffers():
         assert ortbridge.context_pool_size() == 0
         return {j: t.data_ptr() for j, t in binding.kept.items()}
 
-    holders = [("a Python reference", lambda t: t, lambda held: held),
-               ("a view", lambda t: t.view(-1)[:2], lambda held: held),
-               ("another tensor on its memory", lambda t: t.detach(), lambda held: held),
-               # (a product's backward keeps the tensor itself: a reference only C++ holds)
-               ("autograd", lambda t: (t * torch.ones((), requires_grad=True)).grad_fn,
-                lambda held: held._saved_self)]
+    holders = [
+        ("a Python reference", lambda t: t, lambda held: held),
+        ("a view", lambda t: t.view(-1)[:2], lambda held: held),
+        ("another tensor on its memory", lambda t: t.detach(), lambda held: held),
+        # (a product's backward keeps the tensor itself: a reference only C++ holds)
+        ("autograd", lambda t: (t * torch.ones((), requires_grad=True)).grad_fn, lambda held: held._saved_self),
+    ]
     j = min(binding.kept)
     for k, (kind, hold, read) in enumerate(holders):
         step(10 + 2 * k)
@@ -992,13 +1059,18 @@ def _inputs_3d(step: int, shape) -> tuple:
 
 # --- options ------------------------------------------------------------------------------------
 
+
 def test_options_session_options_providers_save_graphs_and_logging(tmp_path, caplog):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
-    wrapped = ortbridge.OrtModule(torch.nn.Sequential(torch.nn.Linear(4, 4), _Calls(Gelu)), session_options=options,
-                                  providers=["CPUExecutionProvider"], save_graphs=tmp_path / "graphs")
+    wrapped = ortbridge.OrtModule(
+        torch.nn.Sequential(torch.nn.Linear(4, 4), _Calls(Gelu)),
+        session_options=options,
+        providers=["CPUExecutionProvider"],
+        save_graphs=tmp_path / "graphs",
+    )
     with caplog.at_level(logging.INFO, logger="ortbridge"):
         wrapped(torch.randn(2, 4)).sum().backward()
     saved = sorted(os.listdir(tmp_path / "graphs"))
@@ -1031,8 +1103,11 @@ def test_threads_of_larger_graphs_sleep_or_spin_as_their_first_runs_measure(monk
 
     threads_seen = []
     gelu_forward = Gelu.forward
-    monkeypatch.setattr(Gelu, "forward", staticmethod(
-        lambda ctx, x: threads_seen.append(torch.get_num_threads()) or gelu_forward(ctx, x)))
+    monkeypatch.setattr(
+        Gelu,
+        "forward",
+        staticmethod(lambda ctx, x: threads_seen.append(torch.get_num_threads()) or gelu_forward(ctx, x)),
+    )
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), _Calls(Gelu))  # (the weight makes the graph large)
     wrapped = ortbridge.OrtModule(copy.deepcopy(model))
     previous = torch.get_num_threads()
@@ -1105,8 +1180,9 @@ def test_graph_rewrite_for_onnx_needs_no_onnx_runtime():
         def forward(self, x):
             return (super().forward(x),)
 
-    compiled = aot_module_simplified(AddBiasTuple(), [torch.randn(4, requires_grad=True)], fw_compiler=keep("forward"),
-                                     bw_compiler=keep("backward"))
+    compiled = aot_module_simplified(
+        AddBiasTuple(), [torch.randn(4, requires_grad=True)], fw_compiler=keep("forward"), bw_compiler=keep("backward")
+    )
     compiled(torch.randn(4, requires_grad=True))[0].sum().backward()
     assert [dtype for dtype, _ in graphs["forward"].outputs] == [torch.float32]  # x + bias
     assert graphs["backward"].outputs == []  # the bias gradient is the incoming gradient itself

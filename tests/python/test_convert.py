@@ -4,10 +4,11 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from onnx import TensorProto as TP, helper
+from conftest import session, value
+from onnx import TensorProto as TP
+from onnx import helper
 
 import ortbridge
-from conftest import session, value
 
 
 @ortbridge.register
@@ -34,27 +35,52 @@ def ortmodule_graph(grad_inputs: list) -> onnx.ModelProto:
     """PythonOp + PythonOpGrad as ORTModule writes them: com.microsoft domain, no ortbridge
     extensions, an empty input name (or none at the end) for a gradient that does not flow."""
     fw = helper.make_node(
-        "PythonOp", ["x", "w"], ["ctx", "y", "z"], domain="com.microsoft", name="ScaleShift_id_0",
-        func_name=FUNC, input_convention="ddcc", input_requires_grads=[1, 1, 0, 0],
-        input_tensor_types=[TP.FLOAT, TP.FLOAT], input_tensor_ranks=[1, 1],
-        input_float_scalars=[0.5], input_float_scalar_positions=[2],
-        input_int_scalars=[3], input_int_scalar_positions=[3],
-        output_tensor_types=[TP.FLOAT, TP.FLOAT], output_tensor_ranks=[1, 1], training_mode=1,
-        comment="exported by ORTModule")
+        "PythonOp",
+        ["x", "w"],
+        ["ctx", "y", "z"],
+        domain="com.microsoft",
+        name="ScaleShift_id_0",
+        func_name=FUNC,
+        input_convention="ddcc",
+        input_requires_grads=[1, 1, 0, 0],
+        input_tensor_types=[TP.FLOAT, TP.FLOAT],
+        input_tensor_ranks=[1, 1],
+        input_float_scalars=[0.5],
+        input_float_scalar_positions=[2],
+        input_int_scalars=[3],
+        input_int_scalar_positions=[3],
+        output_tensor_types=[TP.FLOAT, TP.FLOAT],
+        output_tensor_ranks=[1, 1],
+        training_mode=1,
+        comment="exported by ORTModule",
+    )
     bw = helper.make_node(
-        "PythonOpGrad", ["ctx", *grad_inputs], ["gx", "gw"], domain="com.microsoft", name="ScaleShift_id_0_grad",
-        func_name=FUNC, output_convention="ddcc", input_tensor_types=[TP.FLOAT, TP.FLOAT],
-        input_tensor_ranks=[1, 1], output_tensor_types=[TP.FLOAT, TP.FLOAT], output_tensor_ranks=[1, 1],
-        output_tensor_requires_grads=[1, 1])
+        "PythonOpGrad",
+        ["ctx", *grad_inputs],
+        ["gx", "gw"],
+        domain="com.microsoft",
+        name="ScaleShift_id_0_grad",
+        func_name=FUNC,
+        output_convention="ddcc",
+        input_tensor_types=[TP.FLOAT, TP.FLOAT],
+        input_tensor_ranks=[1, 1],
+        output_tensor_types=[TP.FLOAT, TP.FLOAT],
+        output_tensor_ranks=[1, 1],
+        output_tensor_requires_grads=[1, 1],
+    )
     feeds = sorted({"x", "w", *(g for g in grad_inputs if g)})
-    graph = helper.make_graph([fw, bw], "ortmodule", [value(n, shape=[4]) for n in feeds],
-                              [value(n) for n in ("y", "z", "gx", "gw")])
+    graph = helper.make_graph(
+        [fw, bw], "ortmodule", [value(n, shape=[4]) for n in feeds], [value(n) for n in ("y", "z", "gx", "gw")]
+    )
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
     return helper.make_model(graph, opset_imports=opsets, ir_version=8)
 
 
-@pytest.mark.parametrize("grad_inputs", [["gy", "gz"], ["gy", ""], ["gy"], ["", "gz"]],
-                         ids=["both", "empty-name", "left-off", "first-absent"])
+@pytest.mark.parametrize(
+    "grad_inputs",
+    [["gy", "gz"], ["gy", ""], ["gy"], ["", "gz"]],
+    ids=["both", "empty-name", "left-off", "first-absent"],
+)
 def test_converted_graph_runs_forward_and_backward_like_torch(grad_inputs):
     original = ortmodule_graph(grad_inputs)
     converted = ortbridge.convert_from_ortmodule(original)
@@ -90,19 +116,26 @@ def test_nodes_inside_subgraphs_are_converted():
     inner = ortmodule_graph(["gy", "gz"])
     then_branch = helper.make_graph(list(inner.graph.node), "then", [], [value(n) for n in ("y", "z", "gx", "gw")])
     else_branch = helper.make_graph(
-        [helper.make_node("Identity", [n], [f"{n}_else"]) for n in ("x", "w", "gy", "gz")], "else", [],
-        [value(f"{n}_else") for n in ("x", "w", "gy", "gz")])
+        [helper.make_node("Identity", [n], [f"{n}_else"]) for n in ("x", "w", "gy", "gz")],
+        "else",
+        [],
+        [value(f"{n}_else") for n in ("x", "w", "gy", "gz")],
+    )
     node = helper.make_node("If", ["flag"], ["y", "z", "gx", "gw"], then_branch=then_branch, else_branch=else_branch)
-    graph = helper.make_graph([node], "outer", [value("flag", TP.BOOL, [])] + [value(n, shape=[4]) for n in
-                                                                              ("x", "w", "gy", "gz")],
-                              [value(n) for n in ("y", "z", "gx", "gw")])
+    graph = helper.make_graph(
+        [node],
+        "outer",
+        [value("flag", TP.BOOL, [])] + [value(n, shape=[4]) for n in ("x", "w", "gy", "gz")],
+        [value(n) for n in ("y", "z", "gx", "gw")],
+    )
     model = helper.make_model(graph, opset_imports=inner.opset_import, ir_version=8)
     converted = ortbridge.convert_from_ortmodule(model)
     branch = next(a.g for a in converted.graph.node[0].attribute if a.name == "then_branch")
     assert [n.domain for n in branch.node] == ["ortbridge", "ortbridge"]
     x, w, gy, gz = (np.random.rand(4).astype(np.float32) for _ in range(4))
     y, z, gx, gw = session(converted.SerializeToString()).run(
-        None, {"flag": np.array(True), "x": x, "w": w, "gy": gy, "gz": gz})
+        None, {"flag": np.array(True), "x": x, "w": w, "gy": gy, "gz": gz}
+    )
     np.testing.assert_allclose(y, x * w * 0.5, rtol=1e-6)
     np.testing.assert_allclose(gx, gy * w * 0.5 + gz, rtol=1e-6)
 
@@ -110,8 +143,11 @@ def test_nodes_inside_subgraphs_are_converted():
 def test_nodes_inside_model_local_functions_are_converted():
     model = ortmodule_graph(["gy", "gz"])
     fw = model.graph.node[0]
-    model.functions.append(helper.make_function("local", "Forward", ["x", "w"], ["ctx", "y", "z"], [fw],
-                                                opset_imports=list(model.opset_import)))
+    model.functions.append(
+        helper.make_function(
+            "local", "Forward", ["x", "w"], ["ctx", "y", "z"], [fw], opset_imports=list(model.opset_import)
+        )
+    )
     converted = ortbridge.convert_from_ortmodule(model)
     assert [n.domain for n in converted.functions[0].node] == ["ortbridge"]
     assert {o.domain for o in converted.functions[0].opset_import} == {"", "ortbridge"}
@@ -130,10 +166,17 @@ def test_other_com_microsoft_nodes_keep_their_domain():
 def test_python_objects_by_address_are_refused_with_what_to_do():
     model = ortmodule_graph(["gy", "gz"])
     fw = model.graph.node[0]
-    fw.attribute.extend([helper.make_attribute("input_pointer_scalars", [140234567]),
-                         helper.make_attribute("input_pointer_scalar_positions", [3])])
-    with pytest.raises(ValueError, match=r"ScaleShift_id_0.*by their address.*Re-export the model with "
-                                         r"ortbridge.export"):
+    fw.attribute.extend(
+        [
+            helper.make_attribute("input_pointer_scalars", [140234567]),
+            helper.make_attribute("input_pointer_scalar_positions", [3]),
+        ]
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"ScaleShift_id_0.*by their address.*Re-export the model with "
+        r"ortbridge.export",
+    ):
         ortbridge.convert_from_ortmodule(model)
 
 

@@ -70,8 +70,9 @@ PRELUDE = """
 def _child(body: str) -> dict:
     """Runs PRELUDE + body in a fresh interpreter, which must exit with 0; its outcomes."""
     code = textwrap.dedent(PRELUDE) + textwrap.dedent(body)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          cwd=os.path.dirname(__file__))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=os.path.dirname(__file__)
+    )
     assert proc.returncode == 0, f"exit code {proc.returncode}; stderr ends:\n{proc.stderr[-3000:]}"
     assert "corrupted" not in proc.stderr and "Sanitizer" not in proc.stderr, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

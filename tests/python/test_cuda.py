@@ -26,13 +26,13 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
+from conftest import T, model, python_op, python_op_grad, session, value
 from onnx import TensorProto as TP
 from onnxruntime.capi.onnxruntime_pybind11_state import Fail, RuntimeException
-
-import ortbridge
-from conftest import T, model, python_op, python_op_grad, session, value
 from side_by_side import assert_close, train_side_by_side
 from test_training_graph import MulSum, cross_session_models, eager_mulsum, mulsum_model
+
+import ortbridge
 
 ORT_ERRORS = (Fail, RuntimeException)
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -65,6 +65,7 @@ example = _load_example()
 
 # --- helpers ----------------------------------------------------------------------------------
 
+
 def cuda_session(model_bytes: bytes, device: int = 0, **provider_options) -> ortbridge.InferenceSession:
     """A session whose every node runs on the CUDA provider of `device`: with
     session.disable_cpu_ep_fallback, a node the CUDA provider does not take fails session creation
@@ -82,16 +83,21 @@ def _observe(t: torch.Tensor) -> dict:
     seen = {"device": t.device, "data_ptr": t.data_ptr()}
     if t.is_cuda:
         stream = torch.cuda.current_stream()
-        seen.update(current_device=torch.cuda.current_device(), stream=stream.cuda_stream,
-                    stream_device=stream.device, default_stream=torch.cuda.default_stream(t.device).cuda_stream)
+        seen.update(
+            current_device=torch.cuda.current_device(),
+            stream=stream.cuda_stream,
+            stream_device=stream.device,
+            default_stream=torch.cuda.default_stream(t.device).cuda_stream,
+        )
     return seen
 
 
 def _assert_on_ort_stream(seen: dict, device: int = 0):
     assert seen["device"] == torch.device("cuda", device), seen
     assert seen["current_device"] == device and seen["stream_device"] == torch.device("cuda", device), seen
-    assert seen["stream"] != 0 and seen["stream"] != seen["default_stream"], \
+    assert seen["stream"] != 0 and seen["stream"] != seen["default_stream"], (
         f"the Function ran on torch's default stream, not on ORT's compute stream: {seen}"
+    )
 
 
 def _bind(io, name: str, t: torch.Tensor, output: bool = False):
@@ -166,9 +172,11 @@ def extension():
 
 # --- Functions --------------------------------------------------------------------------------
 
+
 @ortbridge.register
 class Probe(torch.autograd.Function):
     """y = 2x + 1; records what forward and backward see."""
+
     seen: list = []
 
     @staticmethod
@@ -185,6 +193,7 @@ class Probe(torch.autograd.Function):
 @ortbridge.register
 class TwoOutputs(torch.autograd.Function):
     """(2x, 3x); backward records the gradients it gets."""
+
     grads: list = []
 
     @staticmethod
@@ -215,6 +224,7 @@ class FirstGradOnly(torch.autograd.Function):
 @ortbridge.register
 class WrongDevice(torch.autograd.Function):
     """2x, whose forward or backward (as `mode` says) returns a CPU tensor."""
+
     mode = None
 
     @staticmethod
@@ -231,6 +241,7 @@ class WrongDevice(torch.autograd.Function):
 @ortbridge.register
 class Sleeper(torch.autograd.Function):
     """x + 1 after a GPU spin of `cycles` on torch's current stream; events mark start and end."""
+
     cycles = 0
     events: list = []
 
@@ -247,6 +258,7 @@ class Sleeper(torch.autograd.Function):
 
 class ScaledGelu(torch.autograd.Function):
     """x * sigmoid(1.702 x) in torch operators (OrtModule registers it: all_functions=True)."""
+
     seen: list = []
 
     @staticmethod
@@ -306,9 +318,18 @@ class Act(torch.nn.Module):
 
 def _cnn() -> torch.nn.Module:
     nn = torch.nn
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), Act(),
-                         nn.Conv2d(8, 16, 3, stride=2, groups=2), nn.BatchNorm2d(16), Act(),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        Act(),
+        nn.Conv2d(8, 16, 3, stride=2, groups=2),
+        nn.BatchNorm2d(16),
+        Act(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 10),
+    )
 
 
 def _inputs(*shape):
@@ -347,6 +368,7 @@ def _probe_graph(training: bool = False) -> bytes:
 
 # --- without a GPU too ------------------------------------------------------------------------
 
+
 def test_cpu_provider_runs_with_the_cuda_kernels_in_the_library():
     # The library registers PythonOp/PythonOpGrad for the CPU and the CUDA provider in one domain;
     # a CPU session takes the CPU kernels and the Function sees CPU tensors.
@@ -359,8 +381,9 @@ def test_cpu_provider_runs_with_the_cuda_kernels_in_the_library():
     assert [s["device"] for s in Probe.seen] == [torch.device("cpu")] * 2
 
 
-@pytest.mark.skipif(HAS_CUDA_EP, reason="this onnxruntime has the CUDAExecutionProvider: there is no CPU-only "
-                                        "fallback to see")
+@pytest.mark.skipif(
+    HAS_CUDA_EP, reason="this onnxruntime has the CUDAExecutionProvider: there is no CPU-only fallback to see"
+)
 @pytest.mark.parametrize("providers", [["CUDAExecutionProvider", "CPUExecutionProvider"], ["CUDAExecutionProvider"]])
 def test_cuda_provider_asked_of_a_cpu_onnxruntime_falls_back_to_the_cpu(providers):
     # What onnxruntime (the CPU package) does: its Python wrapper warns about a provider it does not
@@ -388,12 +411,18 @@ def test_example_script_runs(tmp_path):
         assert "OK: ONNX Runtime on the CUDA execution provider matches eager PyTorch" in proc.stdout, output
 
 
-@pytest.mark.parametrize("script, args", [("overhead.py", ["--quick", "--modes", "inference,training"]),
-                                          ("zero_copy.py", ["--quick", "--max-size", "1M"])])
+@pytest.mark.parametrize(
+    "script, args",
+    [("overhead.py", ["--quick", "--modes", "inference,training"]), ("zero_copy.py", ["--quick", "--max-size", "1M"])],
+)
 def test_benchmarks_device_cuda(script, args):
     # Without a GPU: exit status 2 and the reason; with one: a short run (its own checks pass).
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), "--device", "cuda", *args],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), "--device", "cuda", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if MISSING:
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert MISSING.split("; ")[0] in proc.stderr, proc.stderr
@@ -403,6 +432,7 @@ def test_benchmarks_device_cuda(script, args):
 
 
 # --- (a) the Function on the CUDA provider: device, stream, zero copy -------------------------
+
 
 @cuda
 @pytest.mark.parametrize("device", sorted({0, torch.cuda.device_count() - 1}) if HAS_GPU else [0])
@@ -437,6 +467,7 @@ def test_bound_device_tensors_reach_the_function_without_a_copy():
 # --- (b) training graphs: PythonOp then PythonOpGrad ------------------------------------------
 
 # MulSum, its graphs and its eager run are test_training_graph's (the mulsum_seen fixture watches it).
+
 
 @cuda
 def test_training_graph_forward_and_backward_match_eager(mulsum_seen):
@@ -502,13 +533,15 @@ def test_context_id_crosses_sessions_through_the_host():
 
 # --- (c) zero gradients made on the device ----------------------------------------------------
 
+
 @cuda
 def test_absent_gradient_is_materialized_as_zeros_on_the_device():
     TwoOutputs.grads.clear()
     fw = python_op(TwoOutputs, [T("x", requires_grad=True)], [(TP.FLOAT, 1)] * 2, out_names=["a", "b"], training=True)
     bw = python_op_grad(TwoOutputs, "d", [("ga", TP.FLOAT, 1), (None, TP.FLOAT, 1)], [("gx", TP.FLOAT, 1)])
-    sess = cuda_session(model([fw, bw], [value("x", shape=[None]), value("ga", shape=[None])],
-                              [value("b"), value("gx")]))
+    sess = cuda_session(
+        model([fw, bw], [value("x", shape=[None]), value("ga", shape=[None])], [value("b"), value("gx")])
+    )
     x, ga = np.arange(6, dtype=np.float32), np.linspace(-1, 1, 6, dtype=np.float32)
     b, gx = sess.run(None, {"x": x, "ga": ga})
     np.testing.assert_allclose(b, x * 3)
@@ -522,11 +555,17 @@ def test_absent_gradient_is_materialized_as_zeros_on_the_device():
 
 @cuda
 def test_none_gradient_is_written_as_zeros_on_the_device():
-    fw = python_op(FirstGradOnly, [T("x", requires_grad=True), T("w", requires_grad=True)], [(TP.FLOAT, 1)],
-                   out_names=["y"], training=True)
+    fw = python_op(
+        FirstGradOnly,
+        [T("x", requires_grad=True), T("w", requires_grad=True)],
+        [(TP.FLOAT, 1)],
+        out_names=["y"],
+        training=True,
+    )
     bw = python_op_grad(FirstGradOnly, "dd", [("g", TP.FLOAT, 1)], [("gx", TP.FLOAT, 1), ("gw", TP.FLOAT, 1)])
-    sess = cuda_session(model([fw, bw], [value(n, shape=[None]) for n in ("x", "w", "g")],
-                              [value("y"), value("gx"), value("gw")]))
+    sess = cuda_session(
+        model([fw, bw], [value(n, shape=[None]) for n in ("x", "w", "g")], [value("y"), value("gx"), value("gw")])
+    )
     x, w, g = (np.arange(5, dtype=np.float32) + k for k in (1, 2, 3))
     # gw bound to device memory full of NaN: the kernel must write its zeros there.
     gw = torch.full((5,), float("nan"), device="cuda")
@@ -545,6 +584,7 @@ def test_none_gradient_is_written_as_zeros_on_the_device():
 
 
 # --- (d) errors -------------------------------------------------------------------------------
+
 
 def _wrong_device_session():
     fw = python_op(WrongDevice, [T("x", requires_grad=True)], [(TP.FLOAT, 1)], out_names=["y"], training=True)
@@ -581,6 +621,7 @@ def test_function_returning_a_cpu_tensor_is_an_error_naming_the_devices(mode):
 
 
 # --- (e) the example's CUDA extension Function ------------------------------------------------
+
 
 @cuda
 def test_example_kernels_against_torch_operators(extension):
@@ -623,20 +664,34 @@ def test_example_model_exported_runs_on_the_cuda_provider(extension, tmp_path, f
 @cuda
 def test_example_model_trains_with_ortmodule_like_eager(extension, full_float32, sessions_made):
     torch.manual_seed(0)
-    train_side_by_side(example.Model().cuda(), _inputs(64, 16), _mse_loss,
-                       wrap=lambda m: ortbridge.OrtModule(m, providers=EXACT), optimizer="adamw", lr=0.01)
+    train_side_by_side(
+        example.Model().cuda(),
+        _inputs(64, 16),
+        _mse_loss,
+        wrap=lambda m: ortbridge.OrtModule(m, providers=EXACT),
+        optimizer="adamw",
+        lr=0.01,
+    )
     assert sessions_made and all(p[0] == "CUDAExecutionProvider" for p in sessions_made), sessions_made
 
 
 # --- (f) a CNN; (g) torch.compile; default options --------------------------------------------
+
 
 @cuda
 def test_cnn_trains_with_ortmodule_like_eager(full_float32, sessions_made):
     torch.manual_seed(0)
     # rtol 1e-3 / atol 1e-4: batch norm over 4 x 8 x 8 positions, cuDNN's and ORT's convolution
     # algorithms sum in other orders.
-    train_side_by_side(_cnn().cuda(), _inputs(4, 3, 16, 16), _ce_loss,
-                       wrap=lambda m: ortbridge.OrtModule(m, providers=EXACT), lr=0.05, rtol=1e-3, atol=1e-4)
+    train_side_by_side(
+        _cnn().cuda(),
+        _inputs(4, 3, 16, 16),
+        _ce_loss,
+        wrap=lambda m: ortbridge.OrtModule(m, providers=EXACT),
+        lr=0.05,
+        rtol=1e-3,
+        atol=1e-4,
+    )
     assert sessions_made and all(p[0] == "CUDAExecutionProvider" for p in sessions_made), sessions_made
 
 
@@ -646,8 +701,14 @@ def test_cnn_trains_with_its_backward_in_stages_like_eager(full_float32, session
     stage's gradients released to autograd's CUDA thread before the next runs."""
     torch.manual_seed(0)
     wrapped = train_side_by_side(
-        _cnn().cuda(), _inputs(4, 3, 16, 16), _ce_loss, lr=0.05, rtol=1e-3, atol=1e-4,
-        wrap=lambda m: ortbridge.OrtModule(m, providers=EXACT, backward_stages=3))
+        _cnn().cuda(),
+        _inputs(4, 3, 16, 16),
+        _ce_loss,
+        lr=0.05,
+        rtol=1e-3,
+        atol=1e-4,
+        wrap=lambda m: ortbridge.OrtModule(m, providers=EXACT, backward_stages=3),
+    )
     (capture,) = [c for captures in wrapped._captures.values() for c in captures]
     assert capture.sessions[1].count > 1, "the backward graph ran in one piece"
     assert sessions_made and all(p[0] == "CUDAExecutionProvider" for p in sessions_made), sessions_made
@@ -659,8 +720,12 @@ def test_torch_compile_backend_on_cuda(full_float32, sessions_made):
     torch.manual_seed(0)
     try:
         compiled = train_side_by_side(
-            Mlp(Gelu).cuda(), _inputs(64, 16), _mse_loss,
-            wrap=lambda m: torch.compile(m, backend="ortbridge", options={"providers": EXACT}), lr=0.05)
+            Mlp(Gelu).cuda(),
+            _inputs(64, 16),
+            _mse_loss,
+            wrap=lambda m: torch.compile(m, backend="ortbridge", options={"providers": EXACT}),
+            lr=0.05,
+        )
         assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
     finally:
         torch._dynamo.reset()
@@ -717,6 +782,7 @@ def test_ortmodule_waits_for_torch_stream_before_reading_its_inputs(full_float32
 
 # --- (h) no synchronization inside a run ------------------------------------------------------
 
+
 @cuda
 @pytest.mark.parametrize("stream", ["ort", "user"])
 def test_run_without_synchronize_returns_while_the_function_kernels_run(stream):
@@ -768,8 +834,10 @@ def test_run_without_synchronize_returns_while_the_function_kernels_run(stream):
         assert len(streams) == 1 and 0 not in streams, streams
         if user_stream is not None:
             assert streams == {user_stream.cuda_stream}, "the Function did not run on the user_compute_stream"
-        assert pending, (f"run returned after the Functions' kernels had finished (host {host_ms:.1f} ms, "
-                         f"GPU {gpu_ms:.1f} ms): something synchronized inside the run")
+        assert pending, (
+            f"run returned after the Functions' kernels had finished (host {host_ms:.1f} ms, "
+            f"GPU {gpu_ms:.1f} ms): something synchronized inside the run"
+        )
         assert host_ms < gpu_ms / 2, f"run took {host_ms:.1f} ms of the GPU's {gpu_ms:.1f} ms"
         torch.testing.assert_close(y, x + k)
     finally:

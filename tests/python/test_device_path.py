@@ -6,11 +6,11 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
+from conftest import T, model, python_op, python_op_grad, session, value
 from onnx import TensorProto as TP
 
 import ortbridge
 from ortbridge import _C, _runner
-from conftest import T, model, python_op, python_op_grad, session, value
 
 
 def test_both_execution_providers_are_registered_and_the_context_id_is_read_on_the_host():
@@ -26,6 +26,7 @@ def test_both_execution_providers_are_registered_and_the_context_id_is_read_on_t
 @ortbridge.register
 class Recorded(torch.autograd.Function):
     """x * 2 and x.sum(); records what each call saw of torch's stream state."""
+
     seen: list = []
 
     @staticmethod
@@ -41,6 +42,7 @@ class Recorded(torch.autograd.Function):
 
 class _Log:
     """Wraps the runner node's device work, logging each call in order."""
+
     depth = 0  # open stream scopes
 
     def __init__(self, monkeypatch):
@@ -63,6 +65,7 @@ class _Log:
                 assert _Log.depth == 1, f"{name} outside the stream scope"
                 self.calls.append((name,))
                 inner(*args)
+
             return staticmethod(call)
 
         monkeypatch.setattr(node, "use_stream", use_stream)
@@ -72,10 +75,15 @@ class _Log:
 
 
 def training_model(present=(True, True)) -> bytes:
-    fw = python_op(Recorded, [T("x", requires_grad=True)], [(TP.FLOAT, 1), (TP.FLOAT, 0)], out_names=["y", "s"],
-                   training=True)
-    bw = python_op_grad(Recorded, "d", [("gy" if present[0] else None, TP.FLOAT, 1),
-                                        ("gs" if present[1] else None, TP.FLOAT, 0)], [("gx", TP.FLOAT, 1)])
+    fw = python_op(
+        Recorded, [T("x", requires_grad=True)], [(TP.FLOAT, 1), (TP.FLOAT, 0)], out_names=["y", "s"], training=True
+    )
+    bw = python_op_grad(
+        Recorded,
+        "d",
+        [("gy" if present[0] else None, TP.FLOAT, 1), ("gs" if present[1] else None, TP.FLOAT, 0)],
+        [("gx", TP.FLOAT, 1)],
+    )
     grads = [value(n, shape=s) for n, s, p in (("gy", [None], present[0]), ("gs", [], present[1])) if p]
     return model([fw, bw], [value("x", shape=[None]), *grads], [value("y"), value("s"), value("gx")])
 
@@ -84,8 +92,9 @@ def test_sessions_may_leave_the_cuda_kernels_out():
     node = python_op(Recorded, [T("x")], [(TP.FLOAT, 1), (TP.FLOAT, 0)], out_names=["y", "s"])
     options = ortbridge.session_options(cuda_kernels=False)
     assert options.get_session_config_entry(ortbridge.runtime.CPU_KERNELS_ONLY) == "1"
-    sess = ortbridge.InferenceSession(model([node], [value("x", shape=[None])], [value("y"), value("s")]), options,
-                                      providers=["CPUExecutionProvider"])
+    sess = ortbridge.InferenceSession(
+        model([node], [value("x", shape=[None])], [value("y"), value("s")]), options, providers=["CPUExecutionProvider"]
+    )
     y, _ = sess.run(None, {"x": np.ones(2, dtype=np.float32)})
     np.testing.assert_array_equal(y, [2, 2])
     with pytest.raises(ValueError, match="registered with the CUDA ones"):
@@ -102,8 +111,16 @@ def test_torch_writes_every_output_inside_the_stream_scope(monkeypatch):
     assert s == x.sum()
     np.testing.assert_array_equal(gx, gy * 2 + 3)
     # On the CPU execution provider ORT has no compute stream: the kernel passes 0.
-    assert log.calls == [("use_stream", 0), ("copy_into",), ("copy_into",), ("fill",), ("restore_stream",),
-                         ("use_stream", 0), ("copy_into",), ("restore_stream",)]
+    assert log.calls == [
+        ("use_stream", 0),
+        ("copy_into",),
+        ("copy_into",),
+        ("fill",),
+        ("restore_stream",),
+        ("use_stream", 0),
+        ("copy_into",),
+        ("restore_stream",),
+    ]
     assert Recorded.seen == [("forward", 1), ("backward", 1)]
 
 
@@ -136,7 +153,6 @@ def test_an_error_in_the_function_restores_the_stream(monkeypatch):
 
 
 def test_a_strided_output_overlapping_its_buffer_is_copied_through_a_clone():
-    copies = []
     node = _runner._Node("cpu")
     buffer = torch.arange(6, dtype=torch.float32)
     source = buffer.view(2, 3).t()  # (3, 2), strided, over the same memory
@@ -153,15 +169,18 @@ def test_use_stream_off_cuda_is_a_no_op():
 
 
 def test_a_function_returning_another_device_is_refused():
-    error = pytest.raises(RuntimeError, _runner._export_tensor, torch.ones(1), "f.forward output", 0,
-                          torch.device("cuda:1"))
+    error = pytest.raises(
+        RuntimeError, _runner._export_tensor, torch.ones(1), "f.forward output", 0, torch.device("cuda:1")
+    )
     assert "is on cpu, but this kernel runs on cuda:1 (the CUDA execution provider)" in str(error.value)
 
 
 # The training graphs' device logic (training/graph.py), with fake CUDA tensors.
 
+
 def _graph_with_inputs(*devices, context_id_on_cpu: bool = False) -> list:
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     from ortbridge.training import graph as g
 
     fx = torch.fx.Graph()
@@ -181,6 +200,7 @@ def _graph_with_inputs(*devices, context_id_on_cpu: bool = False) -> list:
 
 def test_a_graph_runs_on_the_one_device_of_its_inputs():
     from ortbridge.training.graph import _device_of
+
     assert _device_of(_graph_with_inputs("cpu", "cpu")) == torch.device("cpu")
     assert _device_of(_graph_with_inputs("cuda:1", "cuda:1")) == torch.device("cuda:1")
     assert _device_of(_graph_with_inputs("cuda:0", context_id_on_cpu=True)) == torch.device("cuda:0")
@@ -192,8 +212,11 @@ def test_a_graph_runs_on_the_one_device_of_its_inputs():
 
 def test_a_cuda_graph_needs_onnxruntime_gpu(monkeypatch):
     from ortbridge.training import graph as g
+
     monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
-    with pytest.raises(RuntimeError, match=r"on cuda:0, but this onnxruntime has no CUDAExecutionProvider: .*ortbridge\[gpu\]"):
+    with pytest.raises(
+        RuntimeError, match=r"on cuda:0, but this onnxruntime has no CUDAExecutionProvider: .*ortbridge\[gpu\]"
+    ):
         g._providers(None, torch.device("cuda:0"))
 
 
@@ -209,5 +232,7 @@ def test_a_cuda_graph_runs_on_ortbridges_stream_with_the_users_provider_options(
     assert g._providers(None, torch.device("cuda:1")) == [("CUDAExecutionProvider", ours), ("CPUExecutionProvider", {})]
     given = ["CPUExecutionProvider", ("CUDAExecutionProvider", {"arena_extend_strategy": "kSameAsRequested"})]
     assert g._providers(given, torch.device("cuda:1")) == [
-        ("CUDAExecutionProvider", {"arena_extend_strategy": "kSameAsRequested", **ours}), ("CPUExecutionProvider", {})]
+        ("CUDAExecutionProvider", {"arena_extend_strategy": "kSameAsRequested", **ours}),
+        ("CPUExecutionProvider", {}),
+    ]
     assert g._providers(None, torch.device("cpu")) == ["CPUExecutionProvider"]

@@ -18,8 +18,9 @@ import distributed_train  # noqa: E402
 @pytest.fixture(scope="module")
 def results() -> dict:
     """{case: {rank: what the case printed}}: every case in one pair of processes."""
-    run = subprocess.run([sys.executable, "distributed_train.py"], cwd=HERE, capture_output=True, text=True,
-                         timeout=900)
+    run = subprocess.run(
+        [sys.executable, "distributed_train.py"], cwd=HERE, capture_output=True, text=True, timeout=900
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     found = {}
     for case, rank, line in re.findall(r"^case (\S+) rank (\d): (.*)$", run.stdout, re.M):
@@ -39,9 +40,22 @@ def test_trains_as_eager_under_the_same_engine(results, case):
 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])
 def test_the_example_runs_under_torchrun(engine):
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--standalone", "examples/distributed.py", *(["--fsdp"] if engine == "fsdp" else [])],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--standalone",
+            "examples/distributed.py",
+            *(["--fsdp"] if engine == "fsdp" else []),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     losses = [float(x) for x in re.findall(r"step \d: loss (\S+)", run.stdout)]
     assert len(losses) == 5 and losses[-1] < losses[0], run.stdout

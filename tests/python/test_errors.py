@@ -7,11 +7,11 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
+from conftest import DEVICE_PATH, T, model, python_op, python_op_grad, session, value
 from onnx import TensorProto as TP
 from onnxruntime.capi.onnxruntime_pybind11_state import Fail, RuntimeException
 
 import ortbridge
-from conftest import DEVICE_PATH, T, model, python_op, python_op_grad, session, value
 
 ORT_ERRORS = (Fail, RuntimeException)
 
@@ -19,6 +19,7 @@ ORT_ERRORS = (Fail, RuntimeException)
 @ortbridge.register
 class Faulty(torch.autograd.Function):
     """Misbehaves in forward or backward as `Faulty.mode` says."""
+
     mode = None
 
     @staticmethod
@@ -154,6 +155,7 @@ def lent_output(output: int, shape) -> torch.Tensor | None:
 class IntoLentOutput(torch.autograd.Function):
     """Writes x * 2 into the buffer ONNX Runtime lends its output, asked for as `request` says
     ((output, shape); by default its own output and x's shape)."""
+
     request = None
 
     @staticmethod
@@ -185,7 +187,8 @@ def test_output_buffers_lent_to_python_are_written_without_a_copy_and_checked():
     assert ortbridge._C._lend_output(0, [3]) is None
     train = python_op(IntoLentOutput, [T("x", requires_grad=True)], [(TP.FLOAT, 1)], out_names=["y"], training=True)
     y, ctx = session(model([train], [value("x", shape=[3])], [value("y"), value("ctx", TP.INT64, [])])).run(
-        None, {"x": x})
+        None, {"x": x}
+    )
     np.testing.assert_array_equal(y, x * 2)
     assert ortbridge._C.skipped_output_copies() == copies + (0 if DEVICE_PATH else 1)
     ortbridge.release_context(int(ctx))
@@ -219,6 +222,7 @@ class ReturnsLentAsAnother(torch.autograd.Function):
 @ortbridge.register
 class LendsAroundASession(torch.autograd.Function):
     """Writes 10 x into its lent output, then runs `inner` on x (a session of its own)."""
+
     inner = None
 
     @staticmethod
@@ -243,13 +247,18 @@ def test_a_lent_buffer_serves_only_its_own_output_and_its_own_call():
         y0, y1 = sess.run(None, {"x": x})
         np.testing.assert_array_equal(y0, x * 2), np.testing.assert_array_equal(y1, x + 100)
     else:
-        with pytest.raises(ORT_ERRORS, match=r"output 1 is in the buffer lent for output 2: return a lent buffer "
-                                             r"as its own output"):
+        with pytest.raises(
+            ORT_ERRORS,
+            match=r"output 1 is in the buffer lent for output 2: return a lent buffer "
+            r"as its own output",
+        ):
             sess.run(None, {"x": x})
     # A call nested in a lending one (here a training call, which lends nothing) gets none of the
     # outer call's buffers: the outer output keeps what was written into it.
     inner = python_op(IntoLentOutput, [T("x", requires_grad=True)], [(TP.FLOAT, 1)], out_names=["y"], training=True)
-    LendsAroundASession.inner = session(model([inner], [value("x", shape=[3])], [value("y"), value("ctx", TP.INT64, [])]))
+    LendsAroundASession.inner = session(
+        model([inner], [value("x", shape=[3])], [value("y"), value("ctx", TP.INT64, [])])
+    )
     try:
         outer = python_op(LendsAroundASession, [T("x")], [(TP.FLOAT, 1)], out_names=["z"])
         z = session(model([outer], [value("x", shape=[3])], [value("z")])).run(None, {"x": x})[0]
@@ -270,8 +279,13 @@ def test_unknown_context_id(context_id):
     with pytest.raises(ORT_ERRORS, match=f"context id {context_id} is not a live context"):
         sess.run(None, {"ctx": np.asarray(context_id, np.int64), "g": np.ones(3, np.float32)})
     # The same session still serves a real context.
-    fw = session(model([python_op(Faulty, [T("x", requires_grad=True)], [(TP.FLOAT, 1)], out_names=["y"],
-                                  training=True)], [value("x", shape=[3])], [value("ctx", TP.INT64), value("y")]))
+    fw = session(
+        model(
+            [python_op(Faulty, [T("x", requires_grad=True)], [(TP.FLOAT, 1)], out_names=["y"], training=True)],
+            [value("x", shape=[3])],
+            [value("ctx", TP.INT64), value("y")],
+        )
+    )
     ctx, _ = fw.run(None, {"x": np.ones(3, np.float32)})
     (gx,) = sess.run(None, {"ctx": ctx, "g": np.ones(3, np.float32)})
     np.testing.assert_array_equal(gx, np.full(3, 2, np.float32))
@@ -279,15 +293,25 @@ def test_unknown_context_id(context_id):
 
 def test_context_id_of_wrong_type():
     bw = python_op_grad(Faulty, "d", [("g", TP.FLOAT, 1)], [("gx", TP.FLOAT, 1)])
-    with pytest.raises(ORT_ERRORS, match=re.escape("node 'bw' (function 'test_errors.Faulty'): input 0 ('ctx') is "
-                                                   "float32 in the graph, but the node format (a context id) says int64")):
+    with pytest.raises(
+        ORT_ERRORS,
+        match=re.escape(
+            "node 'bw' (function 'test_errors.Faulty'): input 0 ('ctx') is "
+            "float32 in the graph, but the node format (a context id) says int64"
+        ),
+    ):
         session(model([bw], [value("ctx", TP.FLOAT, [2]), value("g", shape=[3])], [value("gx")]))
 
 
 def test_input_type_differs_from_declared_type():
     node = python_op(Faulty, [T("x", TP.DOUBLE)], [(TP.FLOAT, 1)], out_names=["y"])
-    with pytest.raises(ORT_ERRORS, match=re.escape("node 'fw' (function 'test_errors.Faulty'): input 0 ('x') is "
-                                                   "float32 in the graph, but attribute 'input_tensor_types' says float64")):
+    with pytest.raises(
+        ORT_ERRORS,
+        match=re.escape(
+            "node 'fw' (function 'test_errors.Faulty'): input 0 ('x') is "
+            "float32 in the graph, but attribute 'input_tensor_types' says float64"
+        ),
+    ):
         session(model([node], [value("x", TP.FLOAT, [3])], [value("y")]))
 
 
@@ -351,28 +375,54 @@ def test_missing_required_attribute():
 
 def test_unknown_pointer_constant_is_refused():
     from onnx import helper
-    node = helper.make_node("PythonOp", ["x"], ["ctx", "y"], domain="ortbridge", name="ptr",
-                            func_name="test_errors.Faulty", input_convention="dc", input_tensor_types=[1],
-                            input_pointer_scalars=[0x7FFF12345678], input_pointer_scalar_positions=[1],
-                            output_tensor_types=[1], output_tensor_ranks=[1])
+
+    node = helper.make_node(
+        "PythonOp",
+        ["x"],
+        ["ctx", "y"],
+        domain="ortbridge",
+        name="ptr",
+        func_name="test_errors.Faulty",
+        input_convention="dc",
+        input_tensor_types=[1],
+        input_pointer_scalars=[0x7FFF12345678],
+        input_pointer_scalar_positions=[1],
+        output_tensor_types=[1],
+        output_tensor_ranks=[1],
+    )
     with pytest.raises(ORT_ERRORS, match="object key 140733498807928, which no ortbridge.pin_object call made"):
         session(model([node], [value("x", TP.FLOAT, [3])], [value("y")]))
 
 
-@pytest.mark.parametrize("text, error", [
-    ('[1, 2]', "holds 2 values, but input_literal_positions names 1"),
-    ('{"tuple": [1]}', "holds tuple"),
-    ('[1', "not a valid literal list"),
-    ('[{"call": "os.system"}]', "unknown literal"),
-    ('[{"dtype": "Tensor"}]', "unknown literal"),
-    ('[' * 100000 + ']' * 100000, "not a valid literal list"),
-], ids=["count", "not-a-list", "syntax", "unknown-tag", "not-a-dtype", "deep-nesting"])
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        ("[1, 2]", "holds 2 values, but input_literal_positions names 1"),
+        ('{"tuple": [1]}', "holds tuple"),
+        ("[1", "not a valid literal list"),
+        ('[{"call": "os.system"}]', "unknown literal"),
+        ('[{"dtype": "Tensor"}]', "unknown literal"),
+        ("[" * 100000 + "]" * 100000, "not a valid literal list"),
+    ],
+    ids=["count", "not-a-list", "syntax", "unknown-tag", "not-a-dtype", "deep-nesting"],
+)
 def test_malformed_literals_are_refused_at_session_creation(text, error):
     from onnx import helper
-    node = helper.make_node("PythonOp", ["x"], ["ctx", "y"], domain="ortbridge", name="lit",
-                            func_name="test_errors.Faulty", input_convention="dc", input_tensor_types=[1],
-                            input_literals=text, input_literal_positions=[1],
-                            output_tensor_types=[1], output_tensor_ranks=[1])
+
+    node = helper.make_node(
+        "PythonOp",
+        ["x"],
+        ["ctx", "y"],
+        domain="ortbridge",
+        name="lit",
+        func_name="test_errors.Faulty",
+        input_convention="dc",
+        input_tensor_types=[1],
+        input_literals=text,
+        input_literal_positions=[1],
+        output_tensor_types=[1],
+        output_tensor_ranks=[1],
+    )
     with pytest.raises(ORT_ERRORS, match=f"(?s)node 'lit'.*{re.escape(error)}"):
         session(model([node], [value("x", TP.FLOAT, [3])], [value("y")]))
 

@@ -10,12 +10,12 @@ import numpy as np
 import onnx
 import pytest
 import torch
+import user_model
+from conftest import python_op_grad
 from onnxruntime.capi.onnxruntime_pybind11_state import RuntimeException
 
 import ortbridge
 from ortbridge import _torch_private
-import user_model
-from conftest import python_op_grad
 
 EXPORTERS = [pytest.param(True, id="dynamo"), pytest.param(False, id="torchscript")]
 
@@ -48,6 +48,7 @@ def assert_same(got, expected):
 
 # -- the main path ------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dynamo", EXPORTERS)
 def test_model_matches_eager_and_keeps_everything_else_onnx(dynamo, tmp_path):
     net, x = user_model.example()
@@ -69,9 +70,13 @@ def test_model_matches_eager_and_keeps_everything_else_onnx(dynamo, tmp_path):
 
 def test_both_exporters_write_the_same_nodes():
     for model, inputs in [user_model.example(), (EveryConstant(), (torch.randn(2, 3), torch.arange(4)))]:
+
         def written(proto):  # attributes as bytes: NaN constants compare equal
-            return [({a.name: a.SerializeToString() for a in n.attribute}, len(n.input), len(n.output))
-                    for n in nodes(proto)]
+            return [
+                ({a.name: a.SerializeToString() for a in n.attribute}, len(n.input), len(n.output))
+                for n in nodes(proto)
+            ]
+
         by_dynamo = written(ortbridge.export(model, inputs))
         assert by_dynamo and by_dynamo == written(ortbridge.export(model, inputs, dynamo=False))
     gelu, topk = (attributes(n) for n in nodes(ortbridge.export(*user_model.example()))[::2])
@@ -94,7 +99,8 @@ def test_saved_model_runs_in_a_process_that_only_imports_the_users_module(dynamo
         f"x = np.load({str(tmp_path / 'x.npy')!r})\n"
         "(values, _), = [sess.run(None, {sess.get_inputs()[0].name: x})]\n"
         f"np.testing.assert_allclose(values, np.load({str(tmp_path / 'expected.npy')!r}), rtol=1e-6, atol=1e-6)\n"
-        "print('ok')\n")
+        "print('ok')\n"
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
@@ -102,9 +108,11 @@ def test_saved_model_runs_in_a_process_that_only_imports_the_users_module(dynamo
 
 # -- arguments ----------------------------------------------------------------------------------
 
+
 @ortbridge.register
 class Probe(torch.autograd.Function):
     """Records the type and value of every non-tensor argument it is called with."""
+
     seen = []
 
     @staticmethod
@@ -128,9 +136,33 @@ def _describe(value):
     return type(value).__name__, repr(value)
 
 
-CONSTANTS = [None, True, 7, -3, 0.1, 1e300, float("nan"), float("-inf"), 2 ** 70, "gelu", "", "ünïcode",
-             (1, 2, 3), (0.5, 1.0 / 3.0), (True, False), (1, "a", None), ((1, 2), (3, 4)), (), [], [1, 2], [0.25],
-             {"k": (1, 2), "s": "v"}, torch.float16, torch.bfloat16, torch.device("cpu")]
+CONSTANTS = [
+    None,
+    True,
+    7,
+    -3,
+    0.1,
+    1e300,
+    float("nan"),
+    float("-inf"),
+    2**70,
+    "gelu",
+    "",
+    "ünïcode",
+    (1, 2, 3),
+    (0.5, 1.0 / 3.0),
+    (True, False),
+    (1, "a", None),
+    ((1, 2), (3, 4)),
+    (),
+    [],
+    [1, 2],
+    [0.25],
+    {"k": (1, 2), "s": "v"},
+    torch.float16,
+    torch.bfloat16,
+    torch.device("cpu"),
+]
 
 
 class EveryConstant(torch.nn.Module):
@@ -153,14 +185,26 @@ def test_every_constant_kind_reaches_forward_as_in_eager(dynamo):
     assert "input_pointer_scalars" not in attrs  # all plain values: the model file is self-contained
 
 
-DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
-          torch.float32, torch.float64]
+DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+]
 UNSIGNED_WIDE = [torch.uint16, torch.uint32, torch.uint64]  # TorchScript's type table lacks them
 
 
-@pytest.mark.parametrize("dtype, dynamo", [(d, True) for d in DTYPES + UNSIGNED_WIDE] + [(d, False) for d in DTYPES],
-                         ids=lambda v: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else
-                         ("dynamo" if v else "torchscript"))
+@pytest.mark.parametrize(
+    "dtype, dynamo",
+    [(d, True) for d in DTYPES + UNSIGNED_WIDE] + [(d, False) for d in DTYPES],
+    ids=lambda v: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else ("dynamo" if v else "torchscript"),
+)
 def test_tensor_dtypes(dtype, dynamo):
     @ortbridge.register
     class Twice(torch.autograd.Function):
@@ -234,8 +278,11 @@ def test_objects_pass_by_reference_in_process_and_saving_needs_opt_in(dynamo, tm
     assert attributes(nodes(proto)[0])["input_pointer_scalars"] == [ortbridge.pin_object(model.handle)]
     assert_same(run(proto, x), eager(model, x))
     path = tmp_path / "m.onnx"
-    with pytest.raises(ortbridge.ExportError, match=r"argument 1 of test_export.ByReference.apply is a Handle object"
-                                                    r".*allow_object_references=True"):
+    with pytest.raises(
+        ortbridge.ExportError,
+        match=r"argument 1 of test_export.ByReference.apply is a Handle object"
+        r".*allow_object_references=True",
+    ):
         ortbridge.export(model, (x,), path, dynamo=dynamo)
     assert not path.exists()
     ortbridge.export(model, (x,), path, dynamo=dynamo, allow_object_references=True)
@@ -272,6 +319,7 @@ def test_function_without_tensor_arguments(dynamo):
 
 
 # -- outputs and shapes -------------------------------------------------------------------------
+
 
 @ortbridge.register
 class PassThrough(torch.autograd.Function):
@@ -391,7 +439,7 @@ class Stack2(torch.autograd.Function):
 
     @staticmethod
     def infer_shape(node, tensor_input_shapes, tensor_input_dtypes):
-        (rows, cols), = tensor_input_shapes
+        ((rows, cols),) = tensor_input_shapes
         return [[2 * rows, cols]], tensor_input_dtypes
 
 
@@ -430,6 +478,7 @@ def test_dynamic_batch_exported_once_runs_at_several_sizes(dynamo, example_batch
 
 # -- hard cases ---------------------------------------------------------------------------------
 
+
 class Twin(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -449,6 +498,7 @@ def _local_twin():
         @staticmethod
         def backward(ctx, g):
             return g * 10
+
     return Twin
 
 
@@ -529,9 +579,11 @@ def test_export_leaves_functions_and_model_as_they_were():
 
 # -- training export ----------------------------------------------------------------------------
 
+
 def test_training_export_leaves_buffers_and_random_state_as_they_were():
     """ortbridge's eager run must not move BatchNorm statistics or the RNG (torch.export runs on
     fake tensors, so after the export the model is exactly as before)."""
+
     class M(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -588,18 +640,29 @@ def test_training_export_keeps_contexts_as_graph_outputs(dynamo):
     ortbridge.release_context(int(ctx))
 
     # Its backward, run by PythonOpGrad in the same graph, returns too few values: the error says what to do.
-    proto.graph.node.append(python_op_grad(WrongBackward, "dc", [("gy", onnx.TensorProto.FLOAT, 1)],
-                                           [("gx", onnx.TensorProto.FLOAT, 1)], ctx_name=node.output[0]))
+    proto.graph.node.append(
+        python_op_grad(
+            WrongBackward,
+            "dc",
+            [("gy", onnx.TensorProto.FLOAT, 1)],
+            [("gx", onnx.TensorProto.FLOAT, 1)],
+            ctx_name=node.output[0],
+        )
+    )
     proto.graph.input.append(onnx.helper.make_tensor_value_info("gy", onnx.TensorProto.FLOAT, [3]))
     proto.graph.output.append(onnx.helper.make_tensor_value_info("gx", onnx.TensorProto.FLOAT, None))
     sess = ortbridge.InferenceSession(proto.SerializeToString())
     feeds = {sess.get_inputs()[0].name: x.numpy(), "gy": np.ones(3, np.float32)}
-    with pytest.raises(RuntimeException, match=r"backward returned 1 values, but forward takes 2 arguments: return one "
-                                   r"gradient \(or None\) per forward argument"):
+    with pytest.raises(
+        RuntimeException,
+        match=r"backward returned 1 values, but forward takes 2 arguments: return one "
+        r"gradient \(or None\) per forward argument",
+    ):
         sess.run(None, feeds)
 
 
 # -- errors -------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dynamo", EXPORTERS)
 def test_tensor_inside_a_constant_is_refused_with_what_to_do(dynamo):
@@ -607,8 +670,11 @@ def test_tensor_inside_a_constant_is_refused_with_what_to_do(dynamo):
         def forward(self, x):
             return Probe.apply(x, [x, 1])
 
-    with pytest.raises(ortbridge.ExportError, match=r"argument 1 of test_export.Probe.apply is a list that holds "
-                                                    r"tensors.*Pass each tensor as its own argument"):
+    with pytest.raises(
+        ortbridge.ExportError,
+        match=r"argument 1 of test_export.Probe.apply is a list that holds "
+        r"tensors.*Pass each tensor as its own argument",
+    ):
         ortbridge.export(M(), (torch.randn(2),), dynamo=dynamo)
 
 
@@ -638,8 +704,11 @@ def test_constant_from_a_dynamic_dim_is_refused_with_what_to_do():
 
     x = torch.randn(4, 2)
     assert nodes(ortbridge.export(M(), (x,)))  # a static shape: the size is a constant
-    with pytest.raises(ortbridge.ExportError, match=r"argument 1 of test_export.Probe.apply depends on a dynamic dim"
-                                                    r".*Compute it inside forward"):
+    with pytest.raises(
+        ortbridge.ExportError,
+        match=r"argument 1 of test_export.Probe.apply depends on a dynamic dim"
+        r".*Compute it inside forward",
+    ):
         ortbridge.export(M(), (x,), dynamic_shapes=({0: "batch"},))
 
 
@@ -660,8 +729,11 @@ def test_in_place_update_not_returned_is_refused_with_what_to_do():
         def forward(self, x):
             return UpdatesWithoutReturning.apply(x * 1)
 
-    with pytest.raises(ortbridge.ExportError, match=r"updated its tensor input 0 in place without returning it.*"
-                                                    r"Return that input \(with ctx.mark_dirty\)"):
+    with pytest.raises(
+        ortbridge.ExportError,
+        match=r"updated its tensor input 0 in place without returning it.*"
+        r"Return that input \(with ctx.mark_dirty\)",
+    ):
         ortbridge.export(M(), (torch.randn(2),))
 
 
@@ -711,9 +783,12 @@ def test_unregistered_function_in_a_saved_model_is_refused_with_what_to_do(tmp_p
     proto = ortbridge.export(net, (x,))
     ortbridge.unregister(user_model.NumpyTopK)
     try:
-        with pytest.raises(ortbridge.UnknownFunctionError, match=r"calls Function 'user_model.NumpyTopK', and no Function "
-                                                           r"is registered.*ortbridge.register\(YourFunction, "
-                                                           r"name='user_model.NumpyTopK'\)"):
+        with pytest.raises(
+            ortbridge.UnknownFunctionError,
+            match=r"calls Function 'user_model.NumpyTopK', and no Function "
+            r"is registered.*ortbridge.register\(YourFunction, "
+            r"name='user_model.NumpyTopK'\)",
+        ):
             run(proto, x)
     finally:
         ortbridge.register(user_model.NumpyTopK)

@@ -20,8 +20,26 @@ CASES = 2000
 @pytest.fixture(scope="module")
 def summary(tmp_path_factory):
     out = tmp_path_factory.mktemp("fuzz")
-    cmd = [sys.executable, "-m", "tests.fuzz.campaign", "--seed", str(SEED), "--cases", str(CASES),
-           "--batch", "500", "--jobs", "2", "--timeout", "10", "--max-rss-mb", "3000", "--out", str(out), "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.fuzz.campaign",
+        "--seed",
+        str(SEED),
+        "--cases",
+        str(CASES),
+        "--batch",
+        "500",
+        "--jobs",
+        "2",
+        "--timeout",
+        "10",
+        "--max-rss-mb",
+        "3000",
+        "--out",
+        str(out),
+        "--quiet",
+    ]
     # (a crash or hang costs its batch a restart; the limit is for a campaign gone wrong altogether)
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     path = out / "summary.json"
@@ -33,8 +51,12 @@ def summary(tmp_path_factory):
 
 
 def _examples(s, *classes):
-    return "\n".join(f"  {c['class']} [{c['kinds']}] x{c['cases']}: {c['saved'] or c['example']} "
-                     f"({'; '.join(c['mutations'] or [])[:160]})" for c in s["classes"] if c["class"] in classes)
+    return "\n".join(
+        f"  {c['class']} [{c['kinds']}] x{c['cases']}: {c['saved'] or c['example']} "
+        f"({'; '.join(c['mutations'] or [])[:160]})"
+        for c in s["classes"]
+        if c["class"] in classes
+    )
 
 
 def test_no_case_crashes_hangs_or_runs_out_of_memory(summary):
@@ -56,18 +78,26 @@ def test_intact_bases_run(summary):
 # or an unknown opset version is refused in ORT's words, which name no node. The summary counts those
 # apart; what ortbridge writes must name the node, and for a one-attribute mistake the attribute.)
 
+
 def test_every_refusal_ortbridge_writes_names_the_node(summary):
     missing = [r for r in summary["refusals_not_naming_node"] if "ortbridge PythonOp" in r["message"]]
     assert summary["ortbridge_refusals_naming_node_pct"] == 100.0, "\n".join(
-        [f"{summary['ortbridge_refusals_naming_node_pct']}% of ortbridge's refusals name the node "
-         f"({summary['refusals_naming_node_pct']}% of all; {summary['refusals_by_onnxruntime']} came from "
-         "ONNX Runtime's own checks); distinct ones that do not:"] +
-        [f"  [{r['index']} {','.join(r['kinds'])}] {r['message'][:300]!r}" for r in missing])
+        [
+            f"{summary['ortbridge_refusals_naming_node_pct']}% of ortbridge's refusals name the node "
+            f"({summary['refusals_naming_node_pct']}% of all; {summary['refusals_by_onnxruntime']} came from "
+            "ONNX Runtime's own checks); distinct ones that do not:"
+        ]
+        + [f"  [{r['index']} {','.join(r['kinds'])}] {r['message'][:300]!r}" for r in missing]
+    )
 
 
 def test_single_attribute_refusals_name_the_attribute(summary):
     missing = summary["refusals_not_naming_attribute"]
     assert summary["ortbridge_single_attribute_refusals_naming_attribute_pct"] >= 99.0, "\n".join(
-        [f"{summary['ortbridge_single_attribute_refusals_naming_attribute_pct']}% of ortbridge's name the "
-         f"attribute ({summary['single_attribute_refusals_naming_attribute_pct']}% of all); distinct ones that "
-         "do not:"] + [f"  [{r['index']} {','.join(r['kinds'])}] {r['message'][:300]!r}" for r in missing])
+        [
+            f"{summary['ortbridge_single_attribute_refusals_naming_attribute_pct']}% of ortbridge's name the "
+            f"attribute ({summary['single_attribute_refusals_naming_attribute_pct']}% of all); distinct ones that "
+            "do not:"
+        ]
+        + [f"  [{r['index']} {','.join(r['kinds'])}] {r['message'][:300]!r}" for r in missing]
+    )

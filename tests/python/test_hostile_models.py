@@ -11,11 +11,11 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from conftest import T, model, python_op, python_op_grad, session, value
 from onnx import TensorProto as TP
 from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidGraph, RuntimeException
 
 import ortbridge
-from conftest import T, model, python_op, python_op_grad, session, value
 
 ORT_ERRORS = (Fail, InvalidGraph, RuntimeException)
 
@@ -65,9 +65,9 @@ def forward_model(fw, x_type=TP.FLOAT, outputs=("y",), y_type=TP.FLOAT):
 
 # 1. Empty output names.
 
+
 def test_training_forward_with_unnamed_context_output_is_refused():
-    fw = python_op(Double, [T("x", requires_grad=True)], [(TP.FLOAT, 1)], out_names=["y"], ctx_name="",
-                   training=True)
+    fw = python_op(Double, [T("x", requires_grad=True)], [(TP.FLOAT, 1)], out_names=["y"], ctx_name="", training=True)
     refused(forward_model(fw), "PythonOp node 'fw'", "output 0 has an empty name")
 
 
@@ -91,13 +91,17 @@ def test_unnamed_wanted_gradient_is_refused():
 
 # 2. and 3. Writes sized by the graph's types, never only by the attributes.
 
+
 def test_zero_gradient_in_another_type_than_the_forward_input_is_an_error():
     # No input requires a gradient, so the context is None and the gradient is written as zeros:
     # in the node's declared type (bool), not the forward input's (float64).
     fw = python_op(Double, [T("x", TP.DOUBLE)], [(TP.DOUBLE, 1)], out_names=["y"], training=True)
     bw = python_op_grad(Double, "d", [("g", TP.DOUBLE, 1)], [("gx", TP.BOOL, 1)])
-    m = model([fw, bw], [value("x", TP.DOUBLE, [1000]), value("g", TP.DOUBLE, [1000])],
-              [value("y", TP.DOUBLE), value("gx", TP.BOOL)])
+    m = model(
+        [fw, bw],
+        [value("x", TP.DOUBLE, [1000]), value("g", TP.DOUBLE, [1000])],
+        [value("y", TP.DOUBLE), value("gx", TP.BOOL)],
+    )
     sess = session(m)
     with pytest.raises(ORT_ERRORS) as info:
         sess.run(None, {"x": np.ones(1000), "g": np.ones(1000)})
@@ -107,19 +111,27 @@ def test_zero_gradient_in_another_type_than_the_forward_input_is_an_error():
 def test_rank_beyond_the_bound_is_refused_before_shape_inference_can_use_it():
     # ORT ignores a failed shape inference and keeps the graph's declared type (bool here): the
     # Function's float32 output would be copied into a buffer a quarter its size.
-    fw = python_op(Double, [T("x")], [(TP.FLOAT, 1)], out_names=["y"], output_tensor_ranks=[2 ** 62])
-    refused(forward_model(fw, y_type=TP.BOOL), "PythonOp node 'fw'", "'output_tensor_ranks'",
-            "rank 4611686018427387904 is not valid")
+    fw = python_op(Double, [T("x")], [(TP.FLOAT, 1)], out_names=["y"], output_tensor_ranks=[2**62])
+    refused(
+        forward_model(fw, y_type=TP.BOOL),
+        "PythonOp node 'fw'",
+        "'output_tensor_ranks'",
+        "rank 4611686018427387904 is not valid",
+    )
 
 
 def test_graph_type_that_disagrees_with_the_attributes_is_refused_at_creation():
     bw = python_op_grad(Double, "d", [("g", TP.FLOAT, 1)], [("gx", TP.FLOAT, 1)])
     m = model([bw], [value("ctx", TP.INT64, []), value("g", TP.DOUBLE, [3])], [value("gx")])
-    refused(m, "PythonOpGrad node 'bw'", "input 1 ('g') is float64 in the graph, but attribute "
-            "'input_tensor_types' says float32")
+    refused(
+        m,
+        "PythonOpGrad node 'bw'",
+        "input 1 ('g') is float64 in the graph, but attribute 'input_tensor_types' says float32",
+    )
 
 
 # 4. Amplification.
+
 
 def test_huge_rank_is_refused_at_once():
     fw = python_op(Double, [T("x")], [(TP.FLOAT, 1)], out_names=["y"], output_tensor_ranks=[10_000_000])
@@ -127,6 +139,7 @@ def test_huge_rank_is_refused_at_once():
 
 
 # 5. Literals name nothing outside a fixed table.
+
 
 def test_dtype_literal_does_not_reach_torch_module_loading():
     script = textwrap.dedent("""
@@ -158,27 +171,33 @@ def test_dtype_literal_does_not_reach_torch_module_loading():
             raise AssertionError("the literal was accepted")
         print(sorted(m for m in set(sys.modules) - before if m.startswith("torch")))
     """)
-    out = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent)],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(Path(__file__).parent)], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
 
 
-@pytest.mark.parametrize("literal", ['{"device":"cuda:99999999999"}', '{"device":"cpu\\u0000"}',
-                                     '{"dtype":"Tensor"}', '{"dtype":"float8_e4m3fnuz_x"}'])
+@pytest.mark.parametrize(
+    "literal",
+    ['{"device":"cuda:99999999999"}', '{"device":"cpu\\u0000"}', '{"dtype":"Tensor"}', '{"dtype":"float8_e4m3fnuz_x"}'],
+)
 def test_bad_dtype_and_device_literals_are_refused(literal):
     from ortbridge import _literals
+
     with pytest.raises(ValueError, match="unknown literal"):
         _literals.decode(f"[{literal}]", 1)
 
 
 def test_dtype_and_device_literals_still_decode():
     from ortbridge import _literals
+
     values = _literals.decode('[{"dtype":"bfloat16"},{"dtype":"float8_e4m3fn"},{"device":"cuda:1"}]', 3)
     assert values == [torch.bfloat16, torch.float8_e4m3fn, torch.device("cuda:1")]
 
 
 # 6. Context ids: unguessable, and only for the Function that made them.
+
 
 def forward_session(func, name="fw"):
     fw = python_op(func, [T("x", requires_grad=True)], [(TP.FLOAT, 1)], out_names=["y"], training=True, name=name)
@@ -195,7 +214,7 @@ def test_context_ids_are_not_sequential():
     ids = [int(fw.run(None, {"x": np.ones(3, np.float32)})[0]) for _ in range(50)]
     try:
         gaps = np.diff(sorted(ids))
-        assert len(set(ids)) == 50 and gaps.min() > 2 ** 20, ids
+        assert len(set(ids)) == 50 and gaps.min() > 2**20, ids
         assert max(ids).bit_length() > 56, ids  # drawn from 63 random bits
     finally:
         for i in ids:
@@ -220,6 +239,7 @@ def test_pinned_object_keys_are_not_addresses():
 
 # 7. No context outlives every reference to its id.
 
+
 def test_context_whose_id_goes_nowhere_is_released_after_the_run():
     fw = python_op(Double, [T("x", requires_grad=True)], [(TP.FLOAT, 1)], out_names=["y"], training=True)
     sess = session(model([fw], [value("x", shape=[3])], [value("y")]))  # "ctx": neither consumed nor output
@@ -238,10 +258,12 @@ def test_context_whose_id_is_returned_stays_until_its_backward():
 
 def ortbridge_value(array):
     import onnxruntime as ort
+
     return ort.OrtValue.ortvalue_from_numpy(array)
 
 
 # 8. A copy skipped only where the bytes are already in place.
+
 
 def test_transposed_view_of_the_in_place_buffer_is_copied():
     fw = python_op(Transposed, [T("x", rank=2)], [(TP.FLOAT, 2)], out_names=["y"], tensor_reuse_map=[-1, 0])
@@ -252,6 +274,7 @@ def test_transposed_view_of_the_in_place_buffer_is_copied():
 
 
 # 10. Error texts from bytes the model chose.
+
 
 def test_non_utf8_function_name_is_refused_with_an_escaped_name():
     fw = python_op(Double, [T("x")], [(TP.FLOAT, 1)], out_names=["y"])

@@ -5,12 +5,12 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
+from conftest import NewStyle, T, model, python_op, session, value
 from onnx import TensorProto as TP
 from onnx import helper
 
 import ortbridge
 from ortbridge import _runner
-from conftest import NewStyle, T, model, python_op, session, value
 
 
 @ortbridge.register
@@ -39,8 +39,16 @@ def run_triple(x: np.ndarray, elem_type: int):
 def test_dtype_and_shape_parity(dtype, shape):
     rng = np.random.default_rng(0)
     x = (rng.standard_normal(shape) * 10).astype(dtype) if dtype != "bool" else rng.random(shape) > 0.5
-    elem_type = {"float32": TP.FLOAT, "float64": TP.DOUBLE, "float16": TP.FLOAT16, "int64": TP.INT64,
-                 "int32": TP.INT32, "int8": TP.INT8, "uint8": TP.UINT8, "bool": TP.BOOL}[dtype]
+    elem_type = {
+        "float32": TP.FLOAT,
+        "float64": TP.DOUBLE,
+        "float16": TP.FLOAT16,
+        "int64": TP.INT64,
+        "int32": TP.INT32,
+        "int8": TP.INT8,
+        "uint8": TP.UINT8,
+        "bool": TP.BOOL,
+    }[dtype]
     y, n = run_triple(np.asarray(x), elem_type)
     ey, en = Triple.apply(torch.from_numpy(np.asarray(x)))
     assert y.dtype == np.asarray(x).dtype and y.shape == tuple(shape)
@@ -51,9 +59,11 @@ def test_dtype_and_shape_parity(dtype, shape):
 def test_bfloat16_crosses_unchanged():
     # numpy has no bfloat16: the graph casts float32 -> bfloat16 -> PythonOp -> float32.
     x = np.linspace(-3, 3, 12, dtype=np.float32).reshape(3, 4)
-    nodes = [helper.make_node("Cast", ["x"], ["xb"], to=TP.BFLOAT16),
-             python_op(Triple, [T("xb", TP.BFLOAT16, 2)], [(TP.BFLOAT16, 2), (TP.INT64, 0)], out_names=["yb", "n"]),
-             helper.make_node("Cast", ["yb"], ["y"], to=TP.FLOAT)]
+    nodes = [
+        helper.make_node("Cast", ["x"], ["xb"], to=TP.BFLOAT16),
+        python_op(Triple, [T("xb", TP.BFLOAT16, 2)], [(TP.BFLOAT16, 2), (TP.INT64, 0)], out_names=["yb", "n"]),
+        helper.make_node("Cast", ["yb"], ["y"], to=TP.FLOAT),
+    ]
     sess = session(model(nodes, [value("x", TP.FLOAT, [3, 4])], [value("y")]))
     (y,) = sess.run(None, {"x": x})
     expected = Triple.apply(torch.from_numpy(x).to(torch.bfloat16))[0].float().numpy()
@@ -94,6 +104,7 @@ def test_non_contiguous_feeds():
 @ortbridge.register
 class Collect(torch.autograd.Function):
     """Returns x plus a checksum of every constant, and records their Python types."""
+
     seen = None
 
     @staticmethod
@@ -108,7 +119,7 @@ class Collect(torch.autograd.Function):
 
 def test_constants_reach_the_function_with_their_types_and_full_precision():
     marker = object()
-    constants = [0.1, True, 7, (1.5, -2.25e-300), (True, False), (3, -4, 2 ** 40), "text", marker]
+    constants = [0.1, True, 7, (1.5, -2.25e-300), (True, False), (3, -4, 2**40), "text", marker]
     args = [constants[0], T("x")] + constants[1:]
     node = python_op(Collect, args, [(TP.FLOAT, 1)], out_names=["y"])
     sess = session(model([node], [value("x", TP.FLOAT, [3])], [value("y")]))
@@ -151,9 +162,12 @@ def test_function_sees_ort_input_buffer_without_copy():
 def test_output_feeds_other_ort_nodes():
     # The inferred output types let a PythonOp output feed any ONNX node.
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
-    nodes = [python_op(Triple, [T("x", TP.FLOAT, 2)], [(TP.FLOAT, 2), (TP.INT64, 0)], out_names=["y", "n"]),
-             helper.make_node("Relu", ["y"], ["r"]), helper.make_node("Cast", ["n"], ["nf"], to=TP.FLOAT),
-             helper.make_node("Mul", ["r", "nf"], ["out"])]
+    nodes = [
+        python_op(Triple, [T("x", TP.FLOAT, 2)], [(TP.FLOAT, 2), (TP.INT64, 0)], out_names=["y", "n"]),
+        helper.make_node("Relu", ["y"], ["r"]),
+        helper.make_node("Cast", ["n"], ["nf"], to=TP.FLOAT),
+        helper.make_node("Mul", ["r", "nf"], ["out"]),
+    ]
     sess = session(model(nodes, [value("x", TP.FLOAT, [2, 3])], [value("out")]))
     (out,) = sess.run(None, {"x": x})
     np.testing.assert_array_equal(out, np.maximum(x * 3, 0) * 6)
@@ -162,8 +176,9 @@ def test_output_feeds_other_ort_nodes():
 def test_inference_mode_runs_without_autograd_and_keeps_no_context():
     x = np.ones(3, np.float32)
 
-    node = python_op(Triple, [T("x", TP.FLOAT, 1, requires_grad=True)], [(TP.FLOAT, 1), (TP.INT64, 0)],
-                     out_names=["y", "n"])
+    node = python_op(
+        Triple, [T("x", TP.FLOAT, 1, requires_grad=True)], [(TP.FLOAT, 1), (TP.INT64, 0)], out_names=["y", "n"]
+    )
     sess = session(model([node], [value("x", TP.FLOAT, [3])], [value("ctx", TP.INT64), value("y")]))
     for _ in range(3):
         ctx, y = sess.run(None, {"x": x})
@@ -230,8 +245,13 @@ def test_kernel_calls_run_with_grad_mode_set_and_restored(monkeypatch):
     # (grad mode outside the call is the other one: the kernel sets the call's and restores it)
     for training, outside in ((False, torch.enable_grad), (True, torch.no_grad)):
         for fail in (False, True):
-            node = python_op(RecordsGradMode, [T("x", requires_grad=training), fail], [(TP.FLOAT, 1)],
-                             out_names=["y"], training=training)
+            node = python_op(
+                RecordsGradMode,
+                [T("x", requires_grad=training), fail],
+                [(TP.FLOAT, 1)],
+                out_names=["y"],
+                training=training,
+            )
             sess = session(model([node], [value("x", shape=[3])], [value("y")]), device_path=False)
             with outside():
                 if fail:
@@ -275,15 +295,33 @@ def test_grad_mode_is_kept_for_a_runs_next_kernel_and_restored_at_its_end():
     # a Function runs inside that run gets its kernels' modes restored after each call, with a
     # run scope of its own (ortbridge's session) or without (onnxruntime's).
     x = np.arange(3, dtype=np.float32)
-    inner = model([python_op(Triple, [T("x", requires_grad=True)], [(TP.FLOAT, 1), (TP.INT64, 0)],
-                             out_names=["y", "n"], training=True)],
-                  [value("x", shape=[3])], [value("y"), value("ctx", TP.INT64)])
-    outer = session(model([python_op(RunsASession, [T("x")], [(TP.FLOAT, 1)], out_names=["y"]),
-                           python_op(RunsASession, [T("y")], [(TP.FLOAT, 1)], out_names=["z"], ctx_name="ctx2",
-                                     name="fw2")],
-                          [value("x", shape=[3])], [value("z")]))
-    for inner_session in (session(inner), ort.InferenceSession(inner, ortbridge.session_options(),
-                                                               providers=["CPUExecutionProvider"])):
+    inner = model(
+        [
+            python_op(
+                Triple,
+                [T("x", requires_grad=True)],
+                [(TP.FLOAT, 1), (TP.INT64, 0)],
+                out_names=["y", "n"],
+                training=True,
+            )
+        ],
+        [value("x", shape=[3])],
+        [value("y"), value("ctx", TP.INT64)],
+    )
+    outer = session(
+        model(
+            [
+                python_op(RunsASession, [T("x")], [(TP.FLOAT, 1)], out_names=["y"]),
+                python_op(RunsASession, [T("y")], [(TP.FLOAT, 1)], out_names=["z"], ctx_name="ctx2", name="fw2"),
+            ],
+            [value("x", shape=[3])],
+            [value("z")],
+        )
+    )
+    for inner_session in (
+        session(inner),
+        ort.InferenceSession(inner, ortbridge.session_options(), providers=["CPUExecutionProvider"]),
+    ):
         RunsASession.inner = inner_session
         RunsASession.seen.clear()
         for outside in (torch.enable_grad, torch.no_grad):

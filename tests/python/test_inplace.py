@@ -6,12 +6,12 @@ buffer is refused with a clear error."""
 import numpy as np
 import pytest
 import torch
+from conftest import T, model, python_op, session, value
 from onnx import TensorProto as TP
 from onnx import helper
 from onnxruntime.capi.onnxruntime_pybind11_state import RuntimeException
 
 import ortbridge
-from conftest import T, model, python_op, session, value
 
 
 @ortbridge.register
@@ -40,9 +40,11 @@ def double():
 def relu_double_neg(reuse=True):
     # Relu makes the PythonOp input an intermediate value with no other reader.
     extra = {"tensor_reuse_map": [-1, 0]} if reuse else {}
-    nodes = [helper.make_node("Relu", ["x"], ["r"]),
-             python_op(DoubleInPlace, [T("r")], [(TP.FLOAT, 1)], out_names=["y"], **extra),
-             helper.make_node("Neg", ["y"], ["z"])]
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"]),
+        python_op(DoubleInPlace, [T("r")], [(TP.FLOAT, 1)], out_names=["y"], **extra),
+        helper.make_node("Neg", ["y"], ["z"]),
+    ]
     return session(model(nodes, [value("x", shape=[8])], [value("z")]))
 
 
@@ -99,10 +101,12 @@ class FreshAndView(torch.autograd.Function):
 
 @pytest.mark.parametrize("size", [4, 1 << 19])
 def test_outputs_are_written_so_that_a_reused_buffer_is_read_first(size):
-    nodes = [helper.make_node("Relu", ["x"], ["r"]),
-             python_op(FreshAndView, [T("r")], [(TP.FLOAT, 1)] * 2, out_names=["a", "b"],
-                       tensor_reuse_map=[-1, 0, -1]),
-             helper.make_node("Neg", ["a"], ["na"]), helper.make_node("Neg", ["b"], ["nb"])]
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"]),
+        python_op(FreshAndView, [T("r")], [(TP.FLOAT, 1)] * 2, out_names=["a", "b"], tensor_reuse_map=[-1, 0, -1]),
+        helper.make_node("Neg", ["a"], ["na"]),
+        helper.make_node("Neg", ["b"], ["nb"]),
+    ]
     sess = session(model(nodes, [value("x", shape=[size])], [value("na"), value("nb")]))
     x = np.arange(size, dtype=np.float32)
     na, nb = sess.run(None, {"x": x})

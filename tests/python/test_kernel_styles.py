@@ -140,8 +140,12 @@ def cpp_ops():
     from torch.utils.cpp_extension import load_inline
 
     if not hasattr(torch.ops.kernel_styles, "cubed"):
-        load_inline(f"ortbridge_kernel_styles_{torch.__version__.replace('.', '_').replace('+', '_')}",
-                    cpp_sources=CPP_SOURCE, is_python_module=False, extra_cflags=["-O1"])
+        load_inline(
+            f"ortbridge_kernel_styles_{torch.__version__.replace('.', '_').replace('+', '_')}",
+            cpp_sources=CPP_SOURCE,
+            is_python_module=False,
+            extra_cflags=["-O1"],
+        )
         torch.library.register_fake(f"{NAMESPACE}::scaled_tanh")(lambda x, s: torch.empty_like(x))
         torch.library.register_fake(f"{NAMESPACE}::cubed")(lambda x: torch.empty_like(x))
 
@@ -183,11 +187,15 @@ def _with_mutation(m, h):
 STYLES = {
     "function": (lambda m, h: Softsign.apply(h) * m.w, ortbridge.registry.qualified_name(Softsign)),
     "custom_op": (lambda m, h: torch.ops.kernel_styles.scale(h, m.w), f"{NAMESPACE}::scale.default"),
-    "custom_op_outputs": (lambda m, h: torch.mul(*torch.ops.kernel_styles.twice_and_exp(h * 0.1)),
-                          f"{NAMESPACE}::twice_and_exp.default"),
+    "custom_op_outputs": (
+        lambda m, h: torch.mul(*torch.ops.kernel_styles.twice_and_exp(h * 0.1)),
+        f"{NAMESPACE}::twice_and_exp.default",
+    ),
     "custom_op_mutating": (_with_mutation, f"{NAMESPACE}::accumulate_.default"),
-    "cpp_op_python_autograd": (lambda m, h: torch.ops.kernel_styles.scaled_tanh(h, 1.5) * m.w,
-                               f"{NAMESPACE}::scaled_tanh.default"),
+    "cpp_op_python_autograd": (
+        lambda m, h: torch.ops.kernel_styles.scaled_tanh(h, 1.5) * m.w,
+        f"{NAMESPACE}::scaled_tanh.default",
+    ),
     "cpp_op_cpp_autograd": (lambda m, h: torch.ops.kernel_styles.cubed(h * 0.5), f"{NAMESPACE}::cubed.default"),
 }
 
@@ -200,8 +208,11 @@ def style(request):
 
 
 def _python_ops(proto: onnx.ModelProto) -> list[str]:
-    return [next(a.s.decode() for a in n.attribute if a.name == "func_name")
-            for n in proto.graph.node if n.domain == "ortbridge"]
+    return [
+        next(a.s.decode() for a in n.attribute if a.name == "func_name")
+        for n in proto.graph.node
+        if n.domain == "ortbridge"
+    ]
 
 
 def test_exports_and_runs_at_two_batch_sizes(style, tmp_path):
@@ -231,7 +242,7 @@ def test_trains_equal_to_eager(style, wrapper, tmp_path):
         wrap = lambda m: ortbridge.OrtModule(m, save_graphs=tmp_path)  # noqa: E731
     else:
         wrap = lambda m: torch.compile(m, backend="ortbridge", options={"save_graphs": str(tmp_path)})  # noqa: E731
-    train_side_by_side(Model(kernel), _batch, lambda out, step: (out ** 2).mean(), wrap=wrap)
+    train_side_by_side(Model(kernel), _batch, lambda out, step: (out**2).mean(), wrap=wrap)
     forward = onnx.load(tmp_path / next(f for f in sorted(os.listdir(tmp_path)) if f.endswith("_forward.onnx")))
     # One node forward; the registered backward traced into the backward graph (no node of its own).
     # (dynamo inlines a Function it can trace, as Softsign: ORT runs its operators)

@@ -10,7 +10,6 @@ import copy
 
 import pytest
 import torch
-
 from onnxruntime.capi.onnxruntime_pybind11_state import Fail
 
 import ortbridge
@@ -77,9 +76,12 @@ def case(name, module, make_inputs, marks=(), **tolerance):
 
 # (a clear error, not a result: the test fails where the capture succeeds)
 _LSTM_SQUEEZE = pytest.mark.xfail(
-    RELEASE < (2, 13), strict=True, raises=Fail,
+    RELEASE < (2, 13),
+    strict=True,
+    raises=Fail,
     reason="torch 2.9 to 2.12 trace this LSTM with a squeeze of a dim of size 2, which ONNX Runtime's Squeeze "
-           "refuses (torch 2.11's own export of it gives h_n a shape of [2, 1, 2, 5], eager [2, 2, 5])")
+    "refuses (torch 2.11's own export of it gives h_n a shape of [2, 1, 2, 5], eager [2, 2, 5])",
+)
 
 
 # --- the table --------------------------------------------------------------------------------
@@ -93,25 +95,37 @@ CONV = [
     case("conv2d_grouped", lambda: nn.Conv2d(4, 6, 3, groups=2), inputs(x(2, 4, 6, 6))),
     case("conv2d_depthwise", lambda: nn.Conv2d(4, 4, 3, groups=4, padding=1), inputs(x(2, 4, 6, 6))),
     case("conv2d_depthwise_multiplier", lambda: nn.Conv2d(3, 6, 3, groups=3, stride=2), inputs(x(2, 3, 7, 7))),
-    case("conv_transpose1d", lambda: nn.ConvTranspose1d(3, 4, 3, stride=2, padding=1, output_padding=1),
-         inputs(x(2, 3, 5))),
+    case(
+        "conv_transpose1d",
+        lambda: nn.ConvTranspose1d(3, 4, 3, stride=2, padding=1, output_padding=1),
+        inputs(x(2, 3, 5)),
+    ),
     case("conv_transpose2d", lambda: nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1), inputs(x(2, 3, 4, 4))),
-    case("conv_transpose2d_grouped_dilated", lambda: nn.ConvTranspose2d(4, 6, 2, groups=2, dilation=2),
-         inputs(x(1, 4, 3, 3))),
+    case(
+        "conv_transpose2d_grouped_dilated",
+        lambda: nn.ConvTranspose2d(4, 6, 2, groups=2, dilation=2),
+        inputs(x(1, 4, 3, 3)),
+    ),
     case("conv_transpose3d", lambda: nn.ConvTranspose3d(2, 3, 2, stride=2), inputs(x(1, 2, 2, 3, 3))),
 ]
 
 POOL = [
     case("max_pool1d", lambda: nn.MaxPool1d(3, stride=2), inputs(x(2, 3, 9))),
     case("max_pool2d", lambda: nn.MaxPool2d(2), inputs(x(2, 3, 6, 6))),
-    case("max_pool2d_padding_ceil_mode", lambda: nn.MaxPool2d(3, stride=2, padding=1, ceil_mode=True),
-         inputs(x(2, 3, 6, 6))),
+    case(
+        "max_pool2d_padding_ceil_mode",
+        lambda: nn.MaxPool2d(3, stride=2, padding=1, ceil_mode=True),
+        inputs(x(2, 3, 6, 6)),
+    ),
     case("max_pool2d_return_indices", lambda: nn.MaxPool2d(2, return_indices=True), inputs(x(1, 2, 4, 4))),
     case("max_pool3d", lambda: nn.MaxPool3d(2), inputs(x(1, 2, 4, 4, 4))),
     case("avg_pool1d", lambda: nn.AvgPool1d(3, stride=2), inputs(x(2, 3, 9))),
     case("avg_pool2d", lambda: nn.AvgPool2d(2), inputs(x(2, 3, 6, 6))),
-    case("avg_pool2d_padding_exclude_pad", lambda: nn.AvgPool2d(3, stride=2, padding=1, count_include_pad=False),
-         inputs(x(2, 3, 6, 6))),
+    case(
+        "avg_pool2d_padding_exclude_pad",
+        lambda: nn.AvgPool2d(3, stride=2, padding=1, count_include_pad=False),
+        inputs(x(2, 3, 6, 6)),
+    ),
     case("avg_pool3d", lambda: nn.AvgPool3d(2), inputs(x(1, 2, 4, 4, 4))),
     case("adaptive_avg_pool1d", lambda: nn.AdaptiveAvgPool1d(3), inputs(x(2, 3, 7))),
     case("adaptive_avg_pool2d", lambda: nn.AdaptiveAvgPool2d((3, 2)), inputs(x(2, 3, 7, 5))),
@@ -123,35 +137,61 @@ POOL = [
 
 INTERPOLATE = [
     case("upsample_nearest", lambda: nn.Upsample(scale_factor=2, mode="nearest"), inputs(x(1, 2, 3, 4))),
-    case("upsample_bilinear_align_corners", lambda: nn.Upsample(scale_factor=2, mode="bilinear", align_corners=True),
-         inputs(x(1, 2, 3, 4))),
-    case("upsample_bilinear", lambda: nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False),
-         inputs(x(1, 2, 3, 4))),
-    case("interpolate_bilinear_size", lambda: Fn(lambda m, t: F.interpolate(t, size=(7, 5), mode="bilinear")),
-         inputs(x(1, 2, 3, 4))),
+    case(
+        "upsample_bilinear_align_corners",
+        lambda: nn.Upsample(scale_factor=2, mode="bilinear", align_corners=True),
+        inputs(x(1, 2, 3, 4)),
+    ),
+    case(
+        "upsample_bilinear",
+        lambda: nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False),
+        inputs(x(1, 2, 3, 4)),
+    ),
+    case(
+        "interpolate_bilinear_size",
+        lambda: Fn(lambda m, t: F.interpolate(t, size=(7, 5), mode="bilinear")),
+        inputs(x(1, 2, 3, 4)),
+    ),
     case("upsample_bicubic", lambda: nn.Upsample(scale_factor=2, mode="bicubic"), inputs(x(1, 2, 4, 4))),
     case("upsample_nearest_exact", lambda: nn.Upsample(size=(5, 7), mode="nearest-exact"), inputs(x(1, 2, 3, 4))),
     case("upsample_linear_1d", lambda: nn.Upsample(scale_factor=3, mode="linear"), inputs(x(1, 2, 4))),
     case("upsample_trilinear", lambda: nn.Upsample(scale_factor=2, mode="trilinear"), inputs(x(1, 2, 2, 3, 2))),
-    case("interpolate_downsample_area", lambda: Fn(lambda m, t: F.interpolate(t, size=(2, 3), mode="area")),
-         inputs(x(1, 2, 4, 6))),
+    case(
+        "interpolate_downsample_area",
+        lambda: Fn(lambda m, t: F.interpolate(t, size=(2, 3), mode="area")),
+        inputs(x(1, 2, 4, 6)),
+    ),
 ]
 
 EMBEDDING = [
-    case("embedding_padding_idx", lambda: nn.Embedding(10, 4, padding_idx=0),
-         inputs(torch.tensor([[0, 3, 3, 9], [1, 0, 7, 3]]))),
+    case(
+        "embedding_padding_idx",
+        lambda: nn.Embedding(10, 4, padding_idx=0),
+        inputs(torch.tensor([[0, 3, 3, 9], [1, 0, 7, 3]])),
+    ),
     case("embedding_bag_sum", lambda: nn.EmbeddingBag(10, 4, mode="sum"), inputs(lambda: ints(10, 3, 4))),
     case("embedding_bag_mean", lambda: nn.EmbeddingBag(10, 4, mode="mean"), inputs(lambda: ints(10, 3, 4))),
     case("embedding_bag_max", lambda: nn.EmbeddingBag(10, 4, mode="max"), inputs(lambda: ints(10, 3, 4))),
-    case("embedding_bag_offsets_per_sample_weights", lambda: nn.EmbeddingBag(10, 4, mode="sum"),
-         inputs(torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 2, 5]), x(8, seed=5))),
+    case(
+        "embedding_bag_offsets_per_sample_weights",
+        lambda: nn.EmbeddingBag(10, 4, mode="sum"),
+        inputs(torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 2, 5]), x(8, seed=5)),
+    ),
 ]
 
 RECURRENT = [
-    case("lstm_two_layers", lambda: nn.LSTM(4, 5, num_layers=2, batch_first=True), inputs(x(2, 3, 4)),
-         marks=_LSTM_SQUEEZE),
-    case("lstm_initial_state", lambda: nn.LSTM(4, 5),
-         inputs(x(3, 2, 4), lambda: (rand(1, 2, 5, seed=6), rand(1, 2, 5, seed=7))), marks=_LSTM_SQUEEZE),
+    case(
+        "lstm_two_layers",
+        lambda: nn.LSTM(4, 5, num_layers=2, batch_first=True),
+        inputs(x(2, 3, 4)),
+        marks=_LSTM_SQUEEZE,
+    ),
+    case(
+        "lstm_initial_state",
+        lambda: nn.LSTM(4, 5),
+        inputs(x(3, 2, 4), lambda: (rand(1, 2, 5, seed=6), rand(1, 2, 5, seed=7))),
+        marks=_LSTM_SQUEEZE,
+    ),
     case("gru_bidirectional", lambda: nn.GRU(4, 5, bidirectional=True, batch_first=True), inputs(x(2, 3, 4))),
     case("rnn_tanh", lambda: nn.RNN(4, 5), inputs(x(3, 2, 4))),
     case("rnn_relu", lambda: nn.RNN(4, 5, nonlinearity="relu", num_layers=2), inputs(x(3, 2, 4))),
@@ -166,39 +206,68 @@ NORM = [
     case("layer_norm_no_affine", lambda: nn.LayerNorm(5, elementwise_affine=False), inputs(x(2, 3, 5))),
     case("group_norm", lambda: nn.GroupNorm(2, 4), inputs(x(2, 4, 3, 3))),
     case("instance_norm2d_affine", lambda: nn.InstanceNorm2d(3, affine=True), inputs(x(2, 3, 4, 4))),
-    case("instance_norm2d_track_running_stats", lambda: nn.InstanceNorm2d(3, track_running_stats=True),
-         inputs(x(2, 3, 4, 4))),
+    case(
+        "instance_norm2d_track_running_stats",
+        lambda: nn.InstanceNorm2d(3, track_running_stats=True),
+        inputs(x(2, 3, 4, 4)),
+    ),
     case("local_response_norm", lambda: nn.LocalResponseNorm(2), inputs(x(2, 5, 3, 3))),
 ]
 
 LOSS = [
-    case("cross_entropy_label_smoothing_ignore_index",
-         lambda: nn.CrossEntropyLoss(label_smoothing=0.1, ignore_index=2),
-         inputs(x(6, 4), torch.tensor([0, 2, 3, 1, 2, 3]))),
-    case("cross_entropy_class_weights_spatial",
-         lambda: nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 0.5, 1.5])),
-         inputs(x(2, 4, 3), torch.tensor([[0, 1, 3], [2, 2, 1]]))),
-    case("cross_entropy_probability_targets", lambda: nn.CrossEntropyLoss(),
-         inputs(x(3, 4), lambda: probs(3, 4).softmax(1))),
-    case("nll_loss", lambda: Fn(lambda m, t, y: F.nll_loss(F.log_softmax(t, 1), y)),
-         inputs(x(5, 4), torch.tensor([0, 3, 1, 1, 2]))),
+    case(
+        "cross_entropy_label_smoothing_ignore_index",
+        lambda: nn.CrossEntropyLoss(label_smoothing=0.1, ignore_index=2),
+        inputs(x(6, 4), torch.tensor([0, 2, 3, 1, 2, 3])),
+    ),
+    case(
+        "cross_entropy_class_weights_spatial",
+        lambda: nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 0.5, 1.5])),
+        inputs(x(2, 4, 3), torch.tensor([[0, 1, 3], [2, 2, 1]])),
+    ),
+    case(
+        "cross_entropy_probability_targets",
+        lambda: nn.CrossEntropyLoss(),
+        inputs(x(3, 4), lambda: probs(3, 4).softmax(1)),
+    ),
+    case(
+        "nll_loss",
+        lambda: Fn(lambda m, t, y: F.nll_loss(F.log_softmax(t, 1), y)),
+        inputs(x(5, 4), torch.tensor([0, 3, 1, 1, 2])),
+    ),
     case("mse_loss", lambda: nn.MSELoss(), inputs(x(3, 4), x(3, 4, grad=False, seed=9))),
     case("l1_loss", lambda: nn.L1Loss(), inputs(x(3, 4), x(3, 4, grad=False, seed=9))),
     case("smooth_l1_loss", lambda: nn.SmoothL1Loss(beta=0.5), inputs(x(3, 4), x(3, 4, grad=False, seed=9))),
     case("huber_loss", lambda: nn.HuberLoss(delta=0.7), inputs(x(3, 4), x(3, 4, grad=False, seed=9))),
-    case("bce_loss", lambda: Fn(lambda m, t, y: F.binary_cross_entropy(torch.sigmoid(t), y)),
-         inputs(x(3, 4), lambda: probs(3, 4))),
-    case("bce_with_logits_pos_weight", lambda: nn.BCEWithLogitsLoss(pos_weight=torch.tensor([1.0, 2.0, 0.5, 3.0])),
-         inputs(x(3, 4), lambda: probs(3, 4).round())),
-    case("kl_div_batchmean", lambda: Fn(lambda m, t, y: F.kl_div(F.log_softmax(t, 1), y, reduction="batchmean")),
-         inputs(x(3, 4), lambda: probs(3, 4).softmax(1))),
-    case("kl_div_log_target", lambda: nn.KLDivLoss(reduction="sum", log_target=True),
-         inputs(lambda: F.log_softmax(rand(3, 4, grad=False), 1).requires_grad_(),
-                lambda: F.log_softmax(rand(3, 4, grad=False, seed=4), 1))),
-    case("cosine_embedding_loss", lambda: nn.CosineEmbeddingLoss(margin=0.1),
-         inputs(x(4, 5), x(4, 5, seed=4), lambda: signs(4))),
-    case("margin_ranking_loss", lambda: nn.MarginRankingLoss(margin=0.2),
-         inputs(x(6), x(6, seed=4), lambda: signs(6))),
+    case(
+        "bce_loss",
+        lambda: Fn(lambda m, t, y: F.binary_cross_entropy(torch.sigmoid(t), y)),
+        inputs(x(3, 4), lambda: probs(3, 4)),
+    ),
+    case(
+        "bce_with_logits_pos_weight",
+        lambda: nn.BCEWithLogitsLoss(pos_weight=torch.tensor([1.0, 2.0, 0.5, 3.0])),
+        inputs(x(3, 4), lambda: probs(3, 4).round()),
+    ),
+    case(
+        "kl_div_batchmean",
+        lambda: Fn(lambda m, t, y: F.kl_div(F.log_softmax(t, 1), y, reduction="batchmean")),
+        inputs(x(3, 4), lambda: probs(3, 4).softmax(1)),
+    ),
+    case(
+        "kl_div_log_target",
+        lambda: nn.KLDivLoss(reduction="sum", log_target=True),
+        inputs(
+            lambda: F.log_softmax(rand(3, 4, grad=False), 1).requires_grad_(),
+            lambda: F.log_softmax(rand(3, 4, grad=False, seed=4), 1),
+        ),
+    ),
+    case(
+        "cosine_embedding_loss",
+        lambda: nn.CosineEmbeddingLoss(margin=0.1),
+        inputs(x(4, 5), x(4, 5, seed=4), lambda: signs(4)),
+    ),
+    case("margin_ranking_loss", lambda: nn.MarginRankingLoss(margin=0.2), inputs(x(6), x(6, seed=4), lambda: signs(6))),
 ]
 
 
@@ -207,53 +276,105 @@ def _causal(n: int) -> torch.Tensor:
 
 
 ATTENTION = [
-    case("multihead_attention_weights", lambda: Fn(lambda m, q: m.attn(q, q, q), attn=nn.MultiheadAttention(8, 2)),
-         inputs(x(5, 2, 8))),
-    case("multihead_attention_cross_batch_first",
-         lambda: Fn(lambda m, q, kv: m.attn(q, kv, kv, need_weights=False)[0],
-                    attn=nn.MultiheadAttention(8, 2, batch_first=True, kdim=6, vdim=6)),
-         inputs(x(2, 4, 8), x(2, 5, 6, seed=4))),
-    case("multihead_attention_key_padding_mask",
-         lambda: Fn(lambda m, q, pad: m.attn(q, q, q, key_padding_mask=pad)[0],
-                    attn=nn.MultiheadAttention(8, 2, batch_first=True)),
-         inputs(x(2, 5, 8), torch.tensor([[False] * 5, [False, False, False, True, True]]))),
-    case("multihead_attention_causal_mask",
-         lambda: Fn(lambda m, q: m.attn(q, q, q, attn_mask=m.mask, need_weights=False)[0],
-                    attn=nn.MultiheadAttention(8, 2, batch_first=True), mask=_causal(5)),
-         inputs(x(2, 5, 8))),
-    case("multihead_attention_float_mask_per_head_weights",
-         lambda: Fn(lambda m, q: m.attn(q, q, q, attn_mask=m.mask, average_attn_weights=False),
-                    attn=nn.MultiheadAttention(8, 2, batch_first=True), mask=rand(5, 5, grad=False, seed=8)),
-         inputs(x(2, 5, 8))),
-    case("sdpa", lambda: Fn(lambda m, q, k, v: F.scaled_dot_product_attention(q, k, v)),
-         inputs(x(2, 2, 5, 4), x(2, 2, 6, 4, seed=4), x(2, 2, 6, 4, seed=5))),
-    case("sdpa_is_causal", lambda: Fn(lambda m, q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
-         inputs(x(2, 2, 5, 4), x(2, 2, 5, 4, seed=4), x(2, 2, 5, 4, seed=5))),
-    case("sdpa_bool_attn_mask",
-         lambda: Fn(lambda m, q, k, v, mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)),
-         inputs(x(2, 2, 5, 4), x(2, 2, 5, 4, seed=4), x(2, 2, 5, 4, seed=5), lambda: ~_causal(5))),
-    case("sdpa_float_attn_mask_scale",
-         lambda: Fn(lambda m, q, k, v, mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)),
-         inputs(x(2, 2, 5, 4), x(2, 2, 5, 4, seed=4), x(2, 2, 5, 4, seed=5), x(2, 1, 5, 5, seed=6))),
+    case(
+        "multihead_attention_weights",
+        lambda: Fn(lambda m, q: m.attn(q, q, q), attn=nn.MultiheadAttention(8, 2)),
+        inputs(x(5, 2, 8)),
+    ),
+    case(
+        "multihead_attention_cross_batch_first",
+        lambda: Fn(
+            lambda m, q, kv: m.attn(q, kv, kv, need_weights=False)[0],
+            attn=nn.MultiheadAttention(8, 2, batch_first=True, kdim=6, vdim=6),
+        ),
+        inputs(x(2, 4, 8), x(2, 5, 6, seed=4)),
+    ),
+    case(
+        "multihead_attention_key_padding_mask",
+        lambda: Fn(
+            lambda m, q, pad: m.attn(q, q, q, key_padding_mask=pad)[0],
+            attn=nn.MultiheadAttention(8, 2, batch_first=True),
+        ),
+        inputs(x(2, 5, 8), torch.tensor([[False] * 5, [False, False, False, True, True]])),
+    ),
+    case(
+        "multihead_attention_causal_mask",
+        lambda: Fn(
+            lambda m, q: m.attn(q, q, q, attn_mask=m.mask, need_weights=False)[0],
+            attn=nn.MultiheadAttention(8, 2, batch_first=True),
+            mask=_causal(5),
+        ),
+        inputs(x(2, 5, 8)),
+    ),
+    case(
+        "multihead_attention_float_mask_per_head_weights",
+        lambda: Fn(
+            lambda m, q: m.attn(q, q, q, attn_mask=m.mask, average_attn_weights=False),
+            attn=nn.MultiheadAttention(8, 2, batch_first=True),
+            mask=rand(5, 5, grad=False, seed=8),
+        ),
+        inputs(x(2, 5, 8)),
+    ),
+    case(
+        "sdpa",
+        lambda: Fn(lambda m, q, k, v: F.scaled_dot_product_attention(q, k, v)),
+        inputs(x(2, 2, 5, 4), x(2, 2, 6, 4, seed=4), x(2, 2, 6, 4, seed=5)),
+    ),
+    case(
+        "sdpa_is_causal",
+        lambda: Fn(lambda m, q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+        inputs(x(2, 2, 5, 4), x(2, 2, 5, 4, seed=4), x(2, 2, 5, 4, seed=5)),
+    ),
+    case(
+        "sdpa_bool_attn_mask",
+        lambda: Fn(lambda m, q, k, v, mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)),
+        inputs(x(2, 2, 5, 4), x(2, 2, 5, 4, seed=4), x(2, 2, 5, 4, seed=5), lambda: ~_causal(5)),
+    ),
+    case(
+        "sdpa_float_attn_mask_scale",
+        lambda: Fn(lambda m, q, k, v, mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)),
+        inputs(x(2, 2, 5, 4), x(2, 2, 5, 4, seed=4), x(2, 2, 5, 4, seed=5), x(2, 1, 5, 5, seed=6)),
+    ),
 ]
 
 INDEXING = [
     case("index_select", lambda: Fn(lambda m, t, i: t.index_select(0, i)), inputs(x(5, 3), torch.tensor([4, 0, 4, 2]))),
     case("gather", lambda: Fn(lambda m, t, i: t.gather(1, i)), inputs(x(3, 5), torch.tensor([[0, 4], [1, 1], [3, 2]]))),
-    case("scatter_add", lambda: Fn(lambda m, t, i, s: t.scatter_add(1, i, s)),
-         inputs(x(3, 5), torch.tensor([[0, 4, 0], [1, 1, 2], [3, 2, 3]]), x(3, 3, seed=4))),
-    case("scatter_reduce_amax", lambda: Fn(lambda m, t, i, s: t.scatter_reduce(1, i, s, "amax", include_self=False)),
-         inputs(x(3, 5), torch.tensor([[0, 4, 0], [1, 1, 2], [3, 2, 3]]), x(3, 3, seed=4))),
-    case("advanced_index_read_repeated", lambda: Fn(lambda m, t, i, j: t[i, j]),
-         inputs(x(4, 5), torch.tensor([0, 3, 0, 2]), torch.tensor([1, 1, 1, 4]))),
-    case("advanced_index_assign", lambda: Fn(lambda m, t, i, v: _assign(t, i, v)),
-         inputs(x(5, 3), torch.tensor([4, 1]), x(2, 3, seed=4))),
-    case("index_put_accumulate", lambda: Fn(lambda m, t, i, v: t.index_put((i,), v, accumulate=True)),
-         inputs(x(5, 3), torch.tensor([4, 1, 4]), x(3, 3, seed=4))),
-    case("masked_fill", lambda: Fn(lambda m, t, mask: t.masked_fill(mask, -2.0) * t),
-         inputs(x(3, 4), lambda: probs(3, 4) > 0.5)),
-    case("where", lambda: Fn(lambda m, c, a, b: torch.where(c, a, b)),
-         inputs(lambda: probs(3, 4) > 0.5, x(3, 4), x(3, 4, seed=4))),
+    case(
+        "scatter_add",
+        lambda: Fn(lambda m, t, i, s: t.scatter_add(1, i, s)),
+        inputs(x(3, 5), torch.tensor([[0, 4, 0], [1, 1, 2], [3, 2, 3]]), x(3, 3, seed=4)),
+    ),
+    case(
+        "scatter_reduce_amax",
+        lambda: Fn(lambda m, t, i, s: t.scatter_reduce(1, i, s, "amax", include_self=False)),
+        inputs(x(3, 5), torch.tensor([[0, 4, 0], [1, 1, 2], [3, 2, 3]]), x(3, 3, seed=4)),
+    ),
+    case(
+        "advanced_index_read_repeated",
+        lambda: Fn(lambda m, t, i, j: t[i, j]),
+        inputs(x(4, 5), torch.tensor([0, 3, 0, 2]), torch.tensor([1, 1, 1, 4])),
+    ),
+    case(
+        "advanced_index_assign",
+        lambda: Fn(lambda m, t, i, v: _assign(t, i, v)),
+        inputs(x(5, 3), torch.tensor([4, 1]), x(2, 3, seed=4)),
+    ),
+    case(
+        "index_put_accumulate",
+        lambda: Fn(lambda m, t, i, v: t.index_put((i,), v, accumulate=True)),
+        inputs(x(5, 3), torch.tensor([4, 1, 4]), x(3, 3, seed=4)),
+    ),
+    case(
+        "masked_fill",
+        lambda: Fn(lambda m, t, mask: t.masked_fill(mask, -2.0) * t),
+        inputs(x(3, 4), lambda: probs(3, 4) > 0.5),
+    ),
+    case(
+        "where",
+        lambda: Fn(lambda m, c, a, b: torch.where(c, a, b)),
+        inputs(lambda: probs(3, 4) > 0.5, x(3, 4), x(3, 4, seed=4)),
+    ),
     case("where_scalar_broadcast", lambda: Fn(lambda m, a: torch.where(a > 0, a, 0.1 * a.sum(0))), inputs(x(3, 4))),
     case("cumsum", lambda: Fn(lambda m, t: t.cumsum(1)), inputs(x(3, 5))),
     case("cumprod", lambda: Fn(lambda m, t: t.cumprod(0)), inputs(x(4, 3))),
@@ -265,8 +386,11 @@ INDEXING = [
     case("pad_replicate", lambda: Fn(lambda m, t: F.pad(t, (1, 2, 2, 1), mode="replicate")), inputs(x(1, 2, 4, 4))),
     case("pad_circular", lambda: Fn(lambda m, t: F.pad(t, (1, 2, 2, 1), mode="circular")), inputs(x(1, 2, 4, 4))),
     case("pad_reflect_1d", lambda: Fn(lambda m, t: F.pad(t, (2, 1), mode="reflect")), inputs(x(2, 3, 5))),
-    case("pad_replicate_3d", lambda: Fn(lambda m, t: F.pad(t, (1, 0, 0, 1, 1, 1), mode="replicate")),
-         inputs(x(1, 2, 3, 3, 3))),
+    case(
+        "pad_replicate_3d",
+        lambda: Fn(lambda m, t: F.pad(t, (1, 0, 0, 1, 1, 1), mode="replicate")),
+        inputs(x(1, 2, 3, 3, 3)),
+    ),
     case("pixel_shuffle", lambda: nn.PixelShuffle(2), inputs(x(1, 8, 3, 3))),
     case("pixel_unshuffle", lambda: nn.PixelUnshuffle(2), inputs(x(1, 2, 4, 6))),
     case("unfold_im2col", lambda: nn.Unfold(kernel_size=2, stride=1, padding=1), inputs(x(2, 3, 4, 4))),
@@ -292,18 +416,28 @@ def _masked_assign(t, mask, v):
 # where the forward asks; a mask assignment asks in its backward) and says what to do (train the
 # layer inside a torch.autograd.Function; for a mask assignment, torch.where).
 CANNOT_CAPTURE = [
-    case("ctc_loss", lambda: Fn(lambda m, t, y, tl, yl: F.ctc_loss(t.log_softmax(2), y, tl, yl)),
-         inputs(x(6, 2, 5), torch.tensor([[1, 2, 2], [3, 4, 0]]), torch.tensor([6, 5]), torch.tensor([3, 2]))),
-    case("ctc_loss_int_lengths", lambda: Fn(lambda m, t, y, tl, yl: F.ctc_loss(t.log_softmax(2), y, tl, yl)),
-         inputs(x(6, 2, 5), torch.tensor([[1, 2, 2], [3, 4, 0]]), (6, 5), (3, 2))),
-    case("boolean_mask_assign", lambda: Fn(lambda m, t, mask, v: _masked_assign(t, mask, v)),
-         inputs(x(3, 4), lambda: probs(3, 4) > 0.5, x(1, seed=4))),
+    case(
+        "ctc_loss",
+        lambda: Fn(lambda m, t, y, tl, yl: F.ctc_loss(t.log_softmax(2), y, tl, yl)),
+        inputs(x(6, 2, 5), torch.tensor([[1, 2, 2], [3, 4, 0]]), torch.tensor([6, 5]), torch.tensor([3, 2])),
+    ),
+    case(
+        "ctc_loss_int_lengths",
+        lambda: Fn(lambda m, t, y, tl, yl: F.ctc_loss(t.log_softmax(2), y, tl, yl)),
+        inputs(x(6, 2, 5), torch.tensor([[1, 2, 2], [3, 4, 0]]), (6, 5), (3, 2)),
+    ),
+    case(
+        "boolean_mask_assign",
+        lambda: Fn(lambda m, t, mask, v: _masked_assign(t, mask, v)),
+        inputs(x(3, 4), lambda: probs(3, 4) > 0.5, x(1, seed=4)),
+    ),
 ]
 
 TABLE = CONV + POOL + INTERPOLATE + EMBEDDING + RECURRENT + NORM + LOSS + ATTENTION + INDEXING
 
 
 # --- the test ---------------------------------------------------------------------------------
+
 
 def _leaves(out) -> list:
     return [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -317,8 +451,9 @@ def _loss(out) -> torch.Tensor:
 
 
 def _close(actual, expected, what: str, rtol: float, atol: float):
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape, \
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, (
         f"{what}: {actual.dtype}{list(actual.shape)}, eager {expected.dtype}{list(expected.shape)}"
+    )
     torch.testing.assert_close(actual.detach(), expected.detach(), rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
@@ -363,10 +498,12 @@ def test_layer_forward_and_backward_like_eager(make_module, make_inputs, toleran
 
 
 @pytest.mark.parametrize("make_module, make_inputs, tolerance", CANNOT_CAPTURE)
-def test_layer_whose_output_shape_depends_on_values_is_refused_naming_the_operator(make_module, make_inputs,
-                                                                                   tolerance):
+def test_layer_whose_output_shape_depends_on_values_is_refused_naming_the_operator(make_module, make_inputs, tolerance):
     wrapped = ortbridge.OrtModule(make_module())
-    with pytest.raises(RuntimeError, match=r"operator aten\.(_ctc_loss|nonzero)\.\w+ (at .*test_layers.py:\d+ .*)?"
-                                           r"needs a value.*torch.autograd.Function"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"operator aten\.(_ctc_loss|nonzero)\.\w+ (at .*test_layers.py:\d+ .*)?"
+        r"needs a value.*torch.autograd.Function",
+    ):
         wrapped(*make_inputs())
     assert ortbridge.context_pool_size() == 0

@@ -45,6 +45,7 @@ SCRIPT = textwrap.dedent("""
 
 def test_exit_with_live_sessions_and_contexts_is_clean(tmp_path):
     import os
+
     script = tmp_path / "exit.py"
     script.write_text(SCRIPT.format(tests=os.path.dirname(__file__), calls=20000))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
@@ -59,10 +60,10 @@ def test_training_steps_keep_memory_flat():
     import numpy as np
     import psutil
     import torch
+    from conftest import T, model, python_op, python_op_grad, session, value
     from onnx import TensorProto as TP
 
     import ortbridge
-    from conftest import T, model, python_op, python_op_grad, session, value
 
     @ortbridge.register(name="test_lifecycle.SavesEverything")
     class SavesEverything(torch.autograd.Function):
@@ -78,12 +79,19 @@ def test_training_steps_keep_memory_flat():
             x, w = ctx.saved_tensors
             return gy * w + gs, gy * x + gs
 
-    fw = python_op(SavesEverything, [T("x", requires_grad=True), T("w", requires_grad=True)],
-                   [(TP.FLOAT, 1), (TP.FLOAT, 0)], out_names=["y", "s"], training=True)
-    bw = python_op_grad(SavesEverything, "dd", [("gy", TP.FLOAT, 1), (None, TP.FLOAT, 0)],
-                        [("gx", TP.FLOAT, 1), ("gw", TP.FLOAT, 1)])
-    sess = session(model([fw, bw], [value(n, shape=[None]) for n in ("x", "w", "gy")],
-                         [value("y"), value("gx"), value("gw")]))
+    fw = python_op(
+        SavesEverything,
+        [T("x", requires_grad=True), T("w", requires_grad=True)],
+        [(TP.FLOAT, 1), (TP.FLOAT, 0)],
+        out_names=["y", "s"],
+        training=True,
+    )
+    bw = python_op_grad(
+        SavesEverything, "dd", [("gy", TP.FLOAT, 1), (None, TP.FLOAT, 0)], [("gx", TP.FLOAT, 1), ("gw", TP.FLOAT, 1)]
+    )
+    sess = session(
+        model([fw, bw], [value(n, shape=[None]) for n in ("x", "w", "gy")], [value("y"), value("gx"), value("gw")])
+    )
     x = np.ones(1 << 16, np.float32)  # 256 KiB: a leak of one tensor per step would be 500 MB
     feed = {"x": x, "w": x, "gy": x}
     process = psutil.Process()

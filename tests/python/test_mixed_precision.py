@@ -36,36 +36,65 @@ MODES = {"bf16_model": torch.bfloat16, "autocast_bf16": torch.bfloat16, "autocas
 
 def _mlp():
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
-    return model, lambda g: ((torch.randn(8, 16, generator=g),), {}), \
-        lambda out, g: F.cross_entropy(out, torch.randint(0, 4, (8,), generator=g))
+    return (
+        model,
+        lambda g: ((torch.randn(8, 16, generator=g),), {}),
+        lambda out, g: F.cross_entropy(out, torch.randint(0, 4, (8,), generator=g)),
+    )
 
 
 def _cnn():
     # (no conv bias before batch norm: its gradient is zero but for rounding, in any order)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
-                          nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
-                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
-    return model, lambda g: ((torch.randn(4, 3, 8, 8, generator=g),), {}), \
-        lambda out, g: F.cross_entropy(out, torch.randint(0, 4, (4,), generator=g))
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(8, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    )
+    return (
+        model,
+        lambda g: ((torch.randn(4, 3, 8, 8, generator=g),), {}),
+        lambda out, g: F.cross_entropy(out, torch.randint(0, 4, (4,), generator=g)),
+    )
 
 
 def _transformer():
     model = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
-    return model, lambda g: ((torch.randn(2, 5, 16, generator=g),), {}), \
-        lambda out, g: (out.float() * torch.randn(out.shape, generator=g)).sum()
+    return (
+        model,
+        lambda g: ((torch.randn(2, 5, 16, generator=g),), {}),
+        lambda out, g: (out.float() * torch.randn(out.shape, generator=g)).sum(),
+    )
 
 
 def _bert():
     transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                     intermediate_size=24, max_position_embeddings=16, num_labels=3,
-                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = transformers.BertConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=24,
+        max_position_embeddings=16,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
 
     def batch(g):
         mask = torch.ones(3, 7, dtype=torch.int64)
         mask[1, 5:] = 0
-        return (), dict(input_ids=torch.randint(1, 50, (3, 7), generator=g), attention_mask=mask,
-                        labels=torch.randint(0, 3, (3,), generator=g))
+        return (), dict(
+            input_ids=torch.randint(1, 50, (3, 7), generator=g),
+            attention_mask=mask,
+            labels=torch.randint(0, 3, (3,), generator=g),
+        )
 
     return transformers.BertForSequenceClassification(config), batch, lambda out, g: out.loss
 
@@ -81,12 +110,14 @@ def _assert_close(actual, expected, reference, what: str, tolerance: float, floo
     """Same dtype and shape; the difference's norm within `tolerance` of the expected (eager) tensor's
     norm, or of `floor` (for a gradient that is zero but for rounding: attention's key bias), or
     twice eager's distance from the float64 `reference`."""
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape, \
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, (
         f"{what}: {actual.dtype}{list(actual.shape)}, eager {expected.dtype}{list(expected.shape)}"
+    )
     a, e, r = (t.detach().double() for t in (actual, expected, reference))
     error, scale, eager_error = (a - e).norm().item(), max(e.norm().item(), floor), (e - r).norm().item()
-    assert error <= max(tolerance * scale, 2 * eager_error), \
+    assert error <= max(tolerance * scale, 2 * eager_error), (
         f"{what}: error {error:.3g} is {error / scale:.3g} of {scale:.3g} (eager's from float64: {eager_error:.3g})"
+    )
 
 
 def train_side_by_side(name: str, mode: str, steps: int = 2, train: bool = True) -> ortbridge.OrtModule:
@@ -113,8 +144,11 @@ def train_side_by_side(name: str, mode: str, steps: int = 2, train: bool = True)
             if m is reference or mode == "bf16_model":
                 args = tuple(a.to(torch.float64 if m is reference else dtype) for a in args)
             # (OrtModule captured and called in one autocast state)
-            with torch.autocast("cpu", dtype) if m is not reference and mode != "bf16_model" \
-                    else contextlib.nullcontext():
+            with (
+                torch.autocast("cpu", dtype)
+                if m is not reference and mode != "bf16_model"
+                else contextlib.nullcontext()
+            ):
                 out = m(*args, **kwargs)
                 loss = loss_fn(out, torch.Generator().manual_seed(100 + step))
             loss.backward()
@@ -143,14 +177,25 @@ def train_side_by_side(name: str, mode: str, steps: int = 2, train: bool = True)
 
 def _fallback_operators(wrapped: ortbridge.OrtModule) -> set:
     """The operators the captured graphs run in PyTorch (fallback nodes)."""
-    return {next(a.s.decode() for a in node.attribute if a.name == "func_name")
-            for captures in wrapped._captures.values() for capture in captures for session in capture.sessions
-            for node in session.model.graph.node if node.op_type == "PythonOp"}
+    return {
+        next(a.s.decode() for a in node.attribute if a.name == "func_name")
+        for captures in wrapped._captures.values()
+        for capture in captures
+        for session in capture.sessions
+        for node in session.model.graph.node
+        if node.op_type == "PythonOp"
+    }
 
 
 def _onnx_operators(wrapped: ortbridge.OrtModule) -> set:
-    return {node.op_type for captures in wrapped._captures.values() for capture in captures
-            for session in capture.sessions for node in session.model.graph.node if node.domain == ""}
+    return {
+        node.op_type
+        for captures in wrapped._captures.values()
+        for capture in captures
+        for session in capture.sessions
+        for node in session.model.graph.node
+        if node.domain == ""
+    }
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -198,11 +243,16 @@ def test_nodes_without_a_kernel_are_found_at_once():
 
     def graph(elem):
         value = helper.make_tensor_value_info
-        return helper.make_model(helper.make_graph(
-            [node("MatMul", ["x", "w"], "mm"), node("Add", ["mm", "x"], "add"), node("Transpose", ["add"], "t")],
-            "g", [value("x", elem, [2, 2]), value("w", elem, [2, 2])], [value("t", elem, [2, 2])],
-            value_info=[value("mm", elem, [2, 2]), value("add", elem, [2, 2])]),
-            opset_imports=[helper.make_opsetid("", 17)])
+        return helper.make_model(
+            helper.make_graph(
+                [node("MatMul", ["x", "w"], "mm"), node("Add", ["mm", "x"], "add"), node("Transpose", ["add"], "t")],
+                "g",
+                [value("x", elem, [2, 2]), value("w", elem, [2, 2])],
+                [value("t", elem, [2, 2])],
+                value_info=[value("mm", elem, [2, 2]), value("add", elem, [2, 2])],
+            ),
+            opset_imports=[helper.make_opsetid("", 17)],
+        )
 
     providers = ["CPUExecutionProvider"]
     assert kernels.without_kernel(graph(TensorProto.BFLOAT16), providers) == {"mm", "add"}
@@ -211,8 +261,10 @@ def test_nodes_without_a_kernel_are_found_at_once():
 
 
 def test_a_refused_node_onnx_runtimes_optimizer_fused_names_its_fx_node_and_optimizer():
-    error = ("[ONNXRuntimeError] : 9 : NOT_IMPLEMENTED : Could not find an implementation for Gemm(13) node with "
-             "name 'node_addmm/GemmTransposeFusion/'")
+    error = (
+        "[ONNXRuntimeError] : 9 : NOT_IMPLEMENTED : Could not find an implementation for Gemm(13) node with "
+        "name 'node_addmm/GemmTransposeFusion/'"
+    )
     assert fallback.node_without_kernel(error) == "addmm"
     assert fallback.optimizer_without_kernel(error) == "GemmTransposeFusion"
 
@@ -220,6 +272,7 @@ def test_a_refused_node_onnx_runtimes_optimizer_fused_names_its_fx_node_and_opti
 def test_a_promoted_output_keeps_its_dtype():
     """A bfloat16 sum, computed in float32 by torch's exporter (its type promotion), and returned:
     the graph's output is bfloat16 (torch.onnx.export's is float32)."""
+
     class Sum(nn.Module):
         def forward(self, x):
             return x.sum(0)
@@ -243,8 +296,11 @@ class _ScaleByWeight(torch.autograd.Function):
         return g * w, (g * x).sum(0)
 
 
-@pytest.mark.xfail(strict=True, reason="a PythonOpGrad node takes each gradient in its input's dtype; eager's "
-                                       "autograd casts a gradient of another (not yet done by the kernel)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="a PythonOpGrad node takes each gradient in its input's dtype; eager's "
+    "autograd casts a gradient of another (not yet done by the kernel)",
+)
 def test_function_under_autocast_returning_gradients_of_another_dtype():
     class Model(nn.Module):
         def __init__(self):

@@ -15,13 +15,14 @@ import subprocess
 import sys
 import types
 import warnings
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import pytest
 import torch
+from side_by_side import assert_close, tensors_of
 
 import ortbridge
-from side_by_side import assert_close, tensors_of
 
 nn = torch.nn
 
@@ -90,6 +91,7 @@ class Change(NamedTuple):
     `replaces`, what it returns is called instead: a copy), the second call inside `during` (a context
     manager factory), the first inside `first`. `refused`: the error OrtModule gives instead
     (a regex of CaptureError's message); `compile_refused` likewise for torch.compile."""
+
     model: Callable
     inputs: Callable
     change: Callable = lambda m: None
@@ -105,12 +107,14 @@ class Change(NamedTuple):
 def _set(attr: str, value):
     def change(m):
         setattr(m, attr, value)
+
     return change
 
 
 def _hook(kind: str, **kwargs):
     def change(m):
         getattr(m.fc1, f"register_{kind}")(lambda *args: None, **kwargs)
+
     return change
 
 
@@ -153,8 +157,9 @@ CHANGES = {
     "pickle": Change(Block, image, lambda m: pickle.loads(pickle.dumps(m)), replaces=True),
     "torch.save": Change(Block, image, lambda m: _saved_and_loaded(m), replaces=True),
     "forward hook": Change(Mlp, vector, _hook("forward_hook"), refused="submodule 'fc1' .* has a forward hook"),
-    "forward hook with kwargs": Change(Mlp, vector, _hook("forward_hook", with_kwargs=True),
-                                       refused="has a forward hook"),
+    "forward hook with kwargs": Change(
+        Mlp, vector, _hook("forward_hook", with_kwargs=True), refused="has a forward hook"
+    ),
     "forward pre-hook": Change(Mlp, vector, _hook("forward_pre_hook"), refused="has a forward pre hook"),
     "backward hook": Change(Mlp, vector, _hook("full_backward_hook"), refused="has a backward hook"),
     "hook removed": Change(Mlp, vector, _hooked_then_removed),
@@ -162,8 +167,9 @@ CHANGES = {
     "weight_norm": Change(Mlp, vector, lambda m: nn.utils.weight_norm(m.fc1)),
     "attribute set": Change(Mlp, vector, _set("scale", 3.0)),
     # (torch.compile: dynamo makes a float that changed an input of its graph, whose .item() a capture cannot trace)
-    "config value": Change(Configured, vector, lambda m: setattr(m.config, "scale", 2.0),
-                           compile_refused="needs a value"),
+    "config value": Change(
+        Configured, vector, lambda m: setattr(m.config, "scale", 2.0), compile_refused="needs a value"
+    ),
     "config string": Change(Configured, vector, lambda m: setattr(m.config, "act", "tanh")),
     "list attribute in place": Change(Configured, vector, lambda m: m.shape.__setitem__(0, 1) or m.shape.insert(0, 3)),
     "dtype attribute": Change(Configured, vector, _set("dtype", torch.float64)),
@@ -178,6 +184,7 @@ def _deterministic():
             yield
         finally:
             torch.use_deterministic_algorithms(False)
+
     return context()
 
 
@@ -200,8 +207,7 @@ def _call(model, inputs, context):
 def _state(model, inputs) -> list:
     """Gradients of parameters and inputs, parameters and buffers."""
     inner = getattr(model, "module", getattr(model, "_orig_mod", model))
-    return [*(p.grad for p in inner.parameters()), *(x.grad for x in inputs), *inner.parameters(),
-            *inner.buffers()]
+    return [*(p.grad for p in inner.parameters()), *(x.grad for x in inputs), *inner.parameters(), *inner.buffers()]
 
 
 WRAPPERS = {"OrtModule": ortbridge.OrtModule, "compile": lambda m: torch.compile(m, backend="ortbridge")}
@@ -239,6 +245,7 @@ def test_a_change_between_calls_gives_eagers_result_or_a_named_error(name, wrapp
 
 
 # --- Hooks on the OrtModule itself; Python state a forward changes ---------------------------------
+
 
 def test_hooks_on_the_ort_module_run_on_every_call_with_real_tensors():
     seen = []
@@ -311,8 +318,9 @@ def test_a_hugging_face_model_whose_config_asks_for_hidden_states_after_the_firs
     """transformers collects hidden states with forward hooks it installs at the first call that
     asks for them (and marks the model with an attribute): both are traced, the states returned."""
     transformers = pytest.importorskip("transformers", reason="the model is transformers'")
-    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                     intermediate_size=64, num_labels=3)
+    config = transformers.BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, num_labels=3
+    )
     torch.manual_seed(0)
     eager = transformers.BertForSequenceClassification(config)
     ours = ortbridge.OrtModule(copy.deepcopy(eager))
@@ -369,12 +377,16 @@ def test_a_forward_that_changes_python_state_is_refused_naming_it_and_leaves_it_
 def test_a_multi_layer_rnn_with_dropout_is_refused_where_torchs_trace_leaves_the_dropout_out():
     lstm = nn.LSTM(4, 5, num_layers=2, dropout=0.3)
     x = torch.randn(3, 2, 4, requires_grad=True)
-    with pytest.raises(ortbridge.CaptureError, match=r"submodule '' \(LSTM, 2 layers, dropout=0.3\) would train "
-                                                     r"without its dropout between layers"):
+    with pytest.raises(
+        ortbridge.CaptureError,
+        match=r"submodule '' \(LSTM, 2 layers, dropout=0.3\) would train "
+        r"without its dropout between layers",
+    ):
         ortbridge.OrtModule(lstm)(x)
 
 
 # --- Structured outputs and arguments --------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class Output:
@@ -453,7 +465,8 @@ def test_structured_outputs_come_back_as_eager_returns_them(structure, wrapper):
         assert_close(_state(ours, ()), _state(eager, ()), f"{structure}: gradients")
         if dataclasses.is_dataclass(expected):
             assert out.__dict__.keys() == expected.__dict__.keys() and getattr(out, "note", 0) == getattr(
-                expected, "note", 0)
+                expected, "note", 0
+            )
 
 
 @dataclasses.dataclass
@@ -479,6 +492,7 @@ def test_a_dataclass_argument_is_its_fields_not_a_constant():
 
 
 # --- Nesting, export --------------------------------------------------------------------------------
+
 
 def _parent(seed: int) -> nn.Module:
     torch.manual_seed(seed)
@@ -511,6 +525,7 @@ def test_export_of_an_ort_module_exports_the_module_it_wraps(tmp_path):
 
 
 # --- The eager record run and the trace agree ------------------------------------------------------
+
 
 class WritesItsDict(torch.autograd.Function):
     """As fairscale's checkpoint_wrapper: forward tells its caller through a dict argument."""
@@ -573,8 +588,11 @@ def test_what_a_function_writes_into_its_dict_argument_reaches_its_caller(wrappe
 
 
 def test_a_function_putting_a_tensor_into_its_dict_argument_is_refused():
-    with pytest.raises(ortbridge.ExportError, match=r"PutsATensorInItsDict.forward put a tensor into its argument "
-                                                    r"0 \(a dict\)"):
+    with pytest.raises(
+        ortbridge.ExportError,
+        match=r"PutsATensorInItsDict.forward put a tensor into its argument "
+        r"0 \(a dict\)",
+    ):
         ortbridge.OrtModule(ReadsATensorFromTheDict())(*vector())
 
 
@@ -589,11 +607,14 @@ def test_library_code_branching_on_exporting_takes_one_branch_in_the_record_run_
 
 # --- Copies at exit -----------------------------------------------------------------------------
 
+
 def test_a_used_ort_module_copied_or_changed_in_dtype_leaves_a_process_that_exits_cleanly():
-    script = ("import copy, torch, ortbridge\n"
-              "m = ortbridge.OrtModule(torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 50)))\n"
-              "x = torch.randint(0, 50, (4, 8)); m(x)\n"
-              "c = copy.deepcopy(m); c(x); m.half(); m(x); m.double(); m(x)\n"
-              "print('done')\n")
+    script = (
+        "import copy, torch, ortbridge\n"
+        "m = ortbridge.OrtModule(torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 50)))\n"
+        "x = torch.randint(0, 50, (4, 8)); m(x)\n"
+        "c = copy.deepcopy(m); c(x); m.half(); m(x); m.double(); m(x)\n"
+        "print('done')\n"
+    )
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip() == "done", run.stderr[-3000:]

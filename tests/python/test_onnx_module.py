@@ -33,8 +33,15 @@ class Mlp(nn.Module):
 class Cnn(nn.Module):
     def __init__(self):
         super().__init__()
-        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                                      nn.Conv2d(8, 8, 3), nn.Tanh(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(8, 8, 3),
+            nn.Tanh(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+        )
         self.head = nn.Linear(8, 5)
 
     def forward(self, x):
@@ -100,8 +107,12 @@ def weight_map(original: nn.Module, model: bytes) -> dict:
         if init.data_type != TP.FLOAT:
             continue
         w = torch.from_numpy(onnx.numpy_helper.to_array(init).copy())
-        matches = [(p_name, t) for p_name, p in params.items() for t in ((False, True) if p.dim() == 2 else (False,))
-                   if (p.t() if t else p).shape == w.shape and torch.equal((p.t() if t else p).detach(), w)]
+        matches = [
+            (p_name, t)
+            for p_name, p in params.items()
+            for t in ((False, True) if p.dim() == 2 else (False,))
+            if (p.t() if t else p).shape == w.shape and torch.equal((p.t() if t else p).detach(), w)
+        ]
         assert len(matches) <= 1, f"ONNX weight {init.name} matches torch parameters {matches}"
         if matches:
             found[init.name] = matches[0]
@@ -109,8 +120,15 @@ def weight_map(original: nn.Module, model: bytes) -> dict:
     return found
 
 
-def train_against_torch(original: nn.Module, module: ortbridge.OnnxModule, mapping: dict, batches,
-                        steps: int = 3, rtol: float = 1e-4, atol: float = 1e-5):
+def train_against_torch(
+    original: nn.Module,
+    module: ortbridge.OnnxModule,
+    mapping: dict,
+    batches,
+    steps: int = 3,
+    rtol: float = 1e-4,
+    atol: float = 1e-5,
+):
     """Trains the torch original and the OnnxModule side by side with SGD (AdamW would turn the
     rounding noise of attention's key-bias gradient, zero in exact arithmetic, into steps); after every step
     loss and every weight gradient agree (`mapping`: weight_map's), and no context is left; then
@@ -134,29 +152,39 @@ def train_against_torch(original: nn.Module, module: ortbridge.OnnxModule, mappi
         assert ortbridge.context_pool_size() == 0
         torch.testing.assert_close(losses[1], losses[0], rtol=rtol, atol=atol)
         for name, p in module.named_parameters():
-            torch.testing.assert_close(p.grad, torch_side(name, lambda q: q.grad), rtol=rtol, atol=atol,
-                                       msg=lambda m, name=name: f"step {step}: {name}.grad: {m}")
+            torch.testing.assert_close(
+                p.grad,
+                torch_side(name, lambda q: q.grad),
+                rtol=rtol,
+                atol=atol,
+                msg=lambda m, name=name: f"step {step}: {name}.grad: {m}",
+            )
         for opt in opts:
             opt.step()
             opt.zero_grad()
     for name, p in module.named_parameters():
-        torch.testing.assert_close(p, torch_side(name, lambda q: q), rtol=rtol, atol=atol,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            p, torch_side(name, lambda q: q), rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 def batches(shape, outputs):
     def make(step):
         g = torch.Generator().manual_seed(100 + step)
         return torch.randn(*shape, generator=g), torch.randn(shape[0], *outputs, generator=g)
+
     return make
 
 
-@pytest.mark.parametrize("name, model, shape, outputs", [
-    ("mlp", Mlp, (4, 8), (4,)),
-    ("cnn", Cnn, (2, 3, 12, 12), (5,)),
-    ("block", Block, (2, 5, 16), (5, 16)),
-    ("function", WithFunction, (4, 6), (3,)),
-])
+@pytest.mark.parametrize(
+    "name, model, shape, outputs",
+    [
+        ("mlp", Mlp, (4, 8), (4,)),
+        ("cnn", Cnn, (2, 3, 12, 12), (5,)),
+        ("block", Block, (2, 5, 16), (5, 16)),
+        ("function", WithFunction, (4, 6), (3,)),
+    ],
+)
 def test_exported_model_trains_like_its_torch_original(name, model, shape, outputs):
     torch.manual_seed(0)
     original = model()
@@ -176,8 +204,13 @@ def graph_ops(fb: ortbridge.OrtGradientForwardBackward) -> set:
     """The operators of the training graphs ONNX Runtime ran."""
     if fb.gradient_builder == "onnxruntime-training":
         return {n.op_type for n in fb._engine.gradient_model.graph.node}
-    return {n.op_type for captures in fb._engine.runner._captures.values() for capture in captures
-            for session in capture.sessions for n in session.model.graph.node}
+    return {
+        n.op_type
+        for captures in fb._engine.runner._captures.values()
+        for capture in captures
+        for session in capture.sessions
+        for n in session.model.graph.node
+    }
 
 
 def test_auto_takes_the_gradient_builder_this_onnxruntime_has():
@@ -186,8 +219,9 @@ def test_auto_takes_the_gradient_builder_this_onnxruntime_has():
     assert fb.gradient_builder == ("onnxruntime-training" if training_build else "torch")
     if not training_build:
         with pytest.raises(RuntimeError, match="needs onnxruntime-training installed"):
-            ortbridge.OrtGradientForwardBackward(export(Mlp(), torch.randn(2, 8)),
-                                                 gradient_builder="onnxruntime-training")
+            ortbridge.OrtGradientForwardBackward(
+                export(Mlp(), torch.randn(2, 8)), gradient_builder="onnxruntime-training"
+            )
 
 
 def test_dynamic_batch_inputs_needing_gradients_and_eval_without_contexts():
@@ -208,13 +242,19 @@ def test_dynamic_batch_inputs_needing_gradients_and_eval_without_contexts():
 def _graph_two_in_two_out() -> bytes:
     """y = relu(a @ w) + b; n = argmax(y) (int64, no gradient)."""
     w = onnx.numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(3, 4) / 10 - 0.5, "w")
-    nodes = [helper.make_node("MatMul", ["a", "w"], ["m"]), helper.make_node("Relu", ["m"], ["r"]),
-             helper.make_node("Add", ["r", "b"], ["y"]),
-             helper.make_node("ArgMax", ["y"], ["n"], axis=1, keepdims=0)]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("a", TP.FLOAT, [None, 3]),
-                                           helper.make_tensor_value_info("b", TP.FLOAT, [4])],
-                              [helper.make_tensor_value_info("y", TP.FLOAT, [None, 4]),
-                               helper.make_tensor_value_info("n", TP.INT64, [None])], [w])
+    nodes = [
+        helper.make_node("MatMul", ["a", "w"], ["m"]),
+        helper.make_node("Relu", ["m"], ["r"]),
+        helper.make_node("Add", ["r", "b"], ["y"]),
+        helper.make_node("ArgMax", ["y"], ["n"], axis=1, keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("a", TP.FLOAT, [None, 3]), helper.make_tensor_value_info("b", TP.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TP.FLOAT, [None, 4]), helper.make_tensor_value_info("n", TP.INT64, [None])],
+        [w],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
 
 
@@ -291,30 +331,41 @@ def test_ort_gradient_forward_backward_matches_torch_autograd():
 
 
 def _one_node_model(node: onnx.NodeProto, **graph_extra) -> bytes:
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TP.FLOAT, [2])],
-                              [helper.make_tensor_value_info("y", TP.FLOAT, None)], **graph_extra)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("other", 1)],
-                             ir_version=8).SerializeToString()
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TP.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TP.FLOAT, None)],
+        **graph_extra,
+    )
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("other", 1)], ir_version=8
+    ).SerializeToString()
 
 
 def test_an_operator_without_a_gradient_is_named():
     with pytest.raises(ConversionError, match=r"node 0 \('odd', other::Frobnicate\) has no torch form here"):
-        ortbridge.OnnxModule(_one_node_model(helper.make_node("Frobnicate", ["x"], ["y"], domain="other",
-                                                              name="odd")), gradient_builder="torch")
+        ortbridge.OnnxModule(
+            _one_node_model(helper.make_node("Frobnicate", ["x"], ["y"], domain="other", name="odd")),
+            gradient_builder="torch",
+        )
     with pytest.raises(ConversionError, match=r"node 0 \(Det\) has no torch form"):
         ortbridge.OnnxModule(_one_node_model(helper.make_node("Det", ["x"], ["y"])), gradient_builder="torch")
 
 
-@pytest.mark.skipif(not hasattr(ort.capi._pybind_state, "OrtModuleGraphBuilder"),
-                    reason="needs onnxruntime-training (scripts/test.sh runs this file with it)")
+@pytest.mark.skipif(
+    not hasattr(ort.capi._pybind_state, "OrtModuleGraphBuilder"),
+    reason="needs onnxruntime-training (scripts/test.sh runs this file with it)",
+)
 def test_onnxruntime_training_names_an_operator_it_cannot_build():
     with pytest.raises(RuntimeError, match=r"gradient builder refused the graph: .*other:Frobnicate"):
         ortbridge.OnnxModule(_one_node_model(helper.make_node("Frobnicate", ["x"], ["y"], domain="other")))
 
 
 def test_subgraphs_are_refused_with_the_reason():
-    branch = helper.make_graph([helper.make_node("Identity", ["x"], ["z"])], "b", [],
-                               [helper.make_tensor_value_info("z", TP.FLOAT, [2])])
+    branch = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["z"])], "b", [], [helper.make_tensor_value_info("z", TP.FLOAT, [2])]
+    )
     node = helper.make_node("If", ["c"], ["y"], name="choice", then_branch=branch, else_branch=branch)
     c = onnx.numpy_helper.from_array(np.array(True), "c")
     with pytest.raises(ConversionError, match=r"node 0 \('choice', If\) holds a subgraph"):
@@ -323,9 +374,14 @@ def test_subgraphs_are_refused_with_the_reason():
 
 def test_a_value_ort_computes_from_tensors_cannot_be_a_shape():
     nodes = [helper.make_node("Cast", ["x"], ["s"], to=TP.INT64), helper.make_node("Reshape", ["x", "s"], ["y"])]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TP.FLOAT, [2])],
-                              [helper.make_tensor_value_info("y", TP.FLOAT, None)])
-    module = ortbridge.OnnxModule(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
-                                  gradient_builder="torch")
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TP.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TP.FLOAT, None)],
+    )
+    module = ortbridge.OnnxModule(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), gradient_builder="torch"
+    )
     with pytest.raises(Exception, match="input 1 of this Reshape .* must come from constants and shapes"):
         module(torch.tensor([2.0, 1.0], requires_grad=True))

@@ -50,8 +50,11 @@ class WithShape(Softsign):
 for cls in (Softsign, WithShape):
     ortbridge.register(cls)
 
-KERNELS = {"function": Softsign.apply, "function_with_shapes": WithShape.apply,
-           "custom_op": torch.ops.ort_tools.soft_clip}
+KERNELS = {
+    "function": Softsign.apply,
+    "function_with_shapes": WithShape.apply,
+    "custom_op": torch.ops.ort_tools.soft_clip,
+}
 
 
 class Model(nn.Module):
@@ -69,8 +72,9 @@ class Model(nn.Module):
 def exported(request, tmp_path):
     model = Model(KERNELS[request.param]).eval()
     path = tmp_path / "model.onnx"
-    ortbridge.export(model, (torch.randn(2, 8),), path, dynamic_shapes=({0: "batch"},), input_names=["x"],
-                     output_names=["y"])
+    ortbridge.export(
+        model, (torch.randn(2, 8),), path, dynamic_shapes=({0: "batch"},), input_names=["x"], output_names=["y"]
+    )
     return model, path, request.param
 
 
@@ -100,7 +104,7 @@ def test_quantization(exported, tmp_path):
 
     class Batches(CalibrationDataReader):
         def __init__(self):
-            self.batches = iter([{"x": x[i:i + 4].numpy()} for i in range(0, 16, 4)])
+            self.batches = iter([{"x": x[i : i + 4].numpy()} for i in range(0, 16, 4)])
 
         def get_next(self):
             return next(self.batches, None)
@@ -122,8 +126,11 @@ def test_ort_format_converter(exported):
 
     model, path, kind = exported
     with ortbridge.onnxruntime_tools():
-        convert_onnx_models_to_ort(path, optimization_styles=[OptimizationStyle.Fixed],
-                                   custom_op_library_path=pathlib.Path(ortbridge.library_path()))
+        convert_onnx_models_to_ort(
+            path,
+            optimization_styles=[OptimizationStyle.Fixed],
+            custom_op_library_path=pathlib.Path(ortbridge.library_path()),
+        )
     (converted,) = path.parent.glob("*.ort")
     x = torch.randn(5, 8)
     np.testing.assert_allclose(_run(converted, x), model(x).detach().numpy(), rtol=1e-5, atol=1e-6)

@@ -55,8 +55,9 @@ def private_uses(source: str) -> list[tuple[int, str]]:
                 if a.name.split(".")[0] in ROOTS:
                     aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
                     uses.append((node.lineno, a.name))
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
-                and node.module.split(".")[0] in ROOTS:
+        elif (
+            isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.split(".")[0] in ROOTS
+        ):
             for a in node.names:
                 aliases[a.asname or a.name] = f"{node.module}.{a.name}"
                 uses.append((node.lineno, f"{node.module}.{a.name}"))
@@ -67,10 +68,17 @@ def private_uses(source: str) -> list[tuple[int, str]]:
                 uses.append((node.lineno, path))
         elif isinstance(node, ast.Name) and node.id in aliases:
             uses.append((node.lineno, aliases[node.id]))
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") \
-                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
-            base = _dotted(node.args[0], aliases) or (node.args[0].id if isinstance(node.args[0], ast.Name)
-                                                       and node.args[0].id in aliases else None)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+        ):
+            base = _dotted(node.args[0], aliases) or (
+                node.args[0].id if isinstance(node.args[0], ast.Name) and node.args[0].id in aliases else None
+            )
             if base:
                 uses.append((node.lineno, f"{base}.{node.args[1].value}"))
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
@@ -89,8 +97,12 @@ def own_names(sources: list[str]) -> set[str]:
                 names.add(node.id)
             elif isinstance(node, ast.arg):
                 names.add(node.arg)
-            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
-                    isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("self", "cls")
+            ):
                 names.add(node.attr)
     for cc in (ROOT / "csrc").glob("*.cc"):
         names.update(re.findall(r'm\.def\(\s*"(\w+)"', cc.read_text()))
@@ -101,10 +113,15 @@ def private_attributes(source: str, own: set[str]) -> list[tuple[int, str]]:
     """(line, attribute) of each private attribute the source reads off an object it does not own."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
-                and node.attr not in own and node.attr not in OBJECT_ATTRIBUTES_ALLOWED
-                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls", "aten"))
-                and not ast.unparse(node.value).startswith("torch.ops.")):  # (operators: public)
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and node.attr not in own
+            and node.attr not in OBJECT_ATTRIBUTES_ALLOWED
+            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls", "aten"))
+            and not ast.unparse(node.value).startswith("torch.ops.")
+        ):  # (operators: public)
             found.append((node.lineno, node.attr))
     return found
 
@@ -116,13 +133,21 @@ def _outside_the_private_modules() -> list[Path]:
 def test_no_other_module_reads_private_attributes_of_objects():
     files = _outside_the_private_modules()
     own = own_names([p.read_text() for p in PACKAGE.rglob("*.py")])
-    found = [f"{p.relative_to(PACKAGE)}:{line}: .{name}" for p in files for line, name in private_attributes(p.read_text(), own)]
-    assert not found, "private attributes read outside ortbridge/_torch_private.py and _ort_private.py:\n" + "\n".join(found)
+    found = [
+        f"{p.relative_to(PACKAGE)}:{line}: .{name}"
+        for p in files
+        for line, name in private_attributes(p.read_text(), own)
+    ]
+    assert not found, "private attributes read outside ortbridge/_torch_private.py and _ort_private.py:\n" + "\n".join(
+        found
+    )
 
 
 def test_the_attribute_check_finds_what_the_package_does_not_define():
-    source = ("def f(session, ctx, t):\n    return session._sess, ctx._materialize_non_diff_grads, t._version, self._x, "
-              "aten._unsafe_view, torch.ops.aten._to_copy")
+    source = (
+        "def f(session, ctx, t):\n    return session._sess, ctx._materialize_non_diff_grads, t._version, self._x, "
+        "aten._unsafe_view, torch.ops.aten._to_copy"
+    )
     assert private_attributes(source, own={"_x"}) == [(2, "_sess"), (2, "_materialize_non_diff_grads")]
 
 
@@ -130,7 +155,9 @@ def test_only_the_private_modules_use_private_apis():
     outside = []
     for path in _outside_the_private_modules():
         outside += [f"{path.relative_to(PACKAGE)}:{line}: {name}" for line, name in private_uses(path.read_text())]
-    assert not outside, "private APIs used outside ortbridge/_torch_private.py and _ort_private.py:\n" + "\n".join(outside)
+    assert not outside, "private APIs used outside ortbridge/_torch_private.py and _ort_private.py:\n" + "\n".join(
+        outside
+    )
 
 
 @pytest.mark.parametrize("root", ROOTS)
@@ -141,16 +168,24 @@ def test_each_private_module_uses_private_apis_of_its_library_only(root):
     assert all(name.split(".")[0] == root for name in names), names
 
 
-@pytest.mark.parametrize("source, expected", [
-    ("import torch\nx = torch._C._autograd.f", ["torch._C", "torch._C._autograd", "torch._C._autograd.f"]),
-    ("import torch.utils._pytree as pytree\npytree.tree_map", ["torch.utils._pytree", "torch.utils._pytree.tree_map"]),
-    ("from torch._export.utils import _compiling_state_context as c\nc()",
-     ["torch._export.utils._compiling_state_context"]),
-    ("from torch.nn.modules.module import _IncompatibleKeys", ["torch.nn.modules.module._IncompatibleKeys"]),
-    ("import torch\ngetattr(torch, '_C')", ["torch._C"]),
-    ("import logging\nlogging.getLogger('torch.onnx._internal.exporter')", ["torch.onnx._internal.exporter"]),
-    ("import onnxruntime as ort\nort.capi._pybind_state", ["onnxruntime.capi._pybind_state"]),
-    ("import torch\ntorch.ops.aten._unsafe_view.default\ntorch.__version__\ntorch.nn.Module", []),
-])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("import torch\nx = torch._C._autograd.f", ["torch._C", "torch._C._autograd", "torch._C._autograd.f"]),
+        (
+            "import torch.utils._pytree as pytree\npytree.tree_map",
+            ["torch.utils._pytree", "torch.utils._pytree.tree_map"],
+        ),
+        (
+            "from torch._export.utils import _compiling_state_context as c\nc()",
+            ["torch._export.utils._compiling_state_context"],
+        ),
+        ("from torch.nn.modules.module import _IncompatibleKeys", ["torch.nn.modules.module._IncompatibleKeys"]),
+        ("import torch\ngetattr(torch, '_C')", ["torch._C"]),
+        ("import logging\nlogging.getLogger('torch.onnx._internal.exporter')", ["torch.onnx._internal.exporter"]),
+        ("import onnxruntime as ort\nort.capi._pybind_state", ["onnxruntime.capi._pybind_state"]),
+        ("import torch\ntorch.ops.aten._unsafe_view.default\ntorch.__version__\ntorch.nn.Module", []),
+    ],
+)
 def test_the_check_finds_each_way_of_reaching_a_private_api(source, expected):
     assert sorted({name for _, name in private_uses(source)}) == sorted(expected)

@@ -92,8 +92,10 @@ def test_dropout_like_eager(draw, exact):
 def test_dropout_torch_compile_like_eager():
     torch._dynamo.reset()
     try:
-        _like_eager(torch.nn.Sequential(torch.nn.Dropout(0.5), torch.nn.Dropout(0.5)),
-                    wrap=lambda m: torch.compile(m, backend="ortbridge"))
+        _like_eager(
+            torch.nn.Sequential(torch.nn.Dropout(0.5), torch.nn.Dropout(0.5)),
+            wrap=lambda m: torch.compile(m, backend="ortbridge"),
+        )
     finally:
         torch._dynamo.reset()
 

@@ -6,7 +6,7 @@ same inputs (side_by_side.train_side_by_side); after every step outputs, loss, e
 gradient (and input gradient) are compared, and parameters and buffers after training. No
 weights are loaded: every model is built from its config (pretrained=False), nothing is downloaded.
 
-timm and transformers are test-only dependencies; scripts/setup.sh installs them (see README,
+timm and transformers are test-only dependencies; scripts/setup.sh installs them (see docs/building.md,
 "Test dependencies")."""
 
 from __future__ import annotations
@@ -21,20 +21,20 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest
 import torch
+from side_by_side import tensors_of, train_side_by_side
 from torch.utils.checkpoint import CheckpointFunction, checkpoint
 
 import ortbridge
-from side_by_side import tensors_of, train_side_by_side
 
 with warnings.catch_warnings():
-    # timm imports torchvision, whose C extensions are not loaded against CPU torch (README).
+    # timm imports torchvision, whose C extensions are not loaded against CPU torch (docs/building.md, Test dependencies).
     warnings.simplefilter("ignore")
     import timm
     import timm.layers
+    import transformers
     from timm.layers import activations_me as me
     from timm.models import checkpoint_seq
     from timm.models.resnet import BasicBlock, ResNet
-    import transformers
 
 nn = torch.nn
 F = torch.nn.functional
@@ -42,14 +42,17 @@ F = torch.nn.functional
 
 # --- helpers ----------------------------------------------------------------------------------
 
+
 def _images(batch: int = 8, size: int = 64):
     """batch(step) -> ((images,), {}): images that need a gradient, so the first layer's input
     gradient is compared too. For the CNNs 8x3x64x64, not smaller: at 32x32 their last stages are
     1x1 and batch norm over 2-4 values makes training chaotic (float32 against float64 eager
     differ by 1e2..1e6 times the tolerance after 3 steps); at 8x64x64 well within it."""
+
     def make(step: int):
         g = torch.Generator().manual_seed(1000 + step)
         return (torch.randn(batch, 3, size, size, generator=g).requires_grad_(),), {}
+
     return make
 
 
@@ -104,6 +107,7 @@ def module_types(model: nn.Module) -> set:
 # *Me variants by name, whatever set_layer_config says: only 'hard_mish' maps to HardMishMe (when
 # neither scriptable nor exportable). The others are used when the class is passed as act_layer.
 
+
 def mobilenetv3_me() -> nn.Module:
     torch.manual_seed(0)
     model = timm.create_model("mobilenetv3_small_050", pretrained=False, num_classes=10, act_layer=me.HardSwishMe)
@@ -139,8 +143,15 @@ def test_timm_resnet_with_hard_mish_function_from_the_layer_config():
     not scriptable: the defaults, set here explicitly)."""
     timm.layers.set_layer_config(scriptable=False, exportable=False, no_jit=True)
     torch.manual_seed(0)
-    model = ResNet(BasicBlock, [1, 1, 1, 1], num_classes=10, channels=(8, 16, 32, 64), stem_width=8,
-                   act_layer="hard_mish", zero_init_last=False)
+    model = ResNet(
+        BasicBlock,
+        [1, 1, 1, 1],
+        num_classes=10,
+        channels=(8, 16, 32, 64),
+        stem_width=8,
+        act_layer="hard_mish",
+        zero_init_last=False,
+    )
     assert me.HardMishMe in module_types(model)
     wrapped = train_side_by_side(model, _images(), _ce_loss, lr=1e-3)
     assert_runs_functions(wrapped, me.HardMishAutoFn)
@@ -148,10 +159,12 @@ def test_timm_resnet_with_hard_mish_function_from_the_layer_config():
 
 # --- timm ViT ---------------------------------------------------------------------------------
 
+
 def tiny_vit() -> nn.Module:
     torch.manual_seed(0)
-    return timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=10, img_size=32, patch_size=8,
-                             depth=2)
+    return timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, num_classes=10, img_size=32, patch_size=8, depth=2
+    )
 
 
 def test_timm_vit_trains_every_parameter_patch_embedding_included():
@@ -177,11 +190,21 @@ def test_timm_vit_with_reentrant_gradient_checkpointing():
 
 # --- Hugging Face BERT from a tiny config ------------------------------------------------------
 
-def tiny_bert_config(**extra) -> "transformers.BertConfig":
-    # Dropout off: ORT draws its own random numbers (README, Limits).
-    return transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                   intermediate_size=37, max_position_embeddings=64, type_vocab_size=2,
-                                   hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **extra)
+
+def tiny_bert_config(**extra) -> transformers.BertConfig:
+    # Dropout off: ORT draws its own random numbers (docs/training.md).
+    return transformers.BertConfig(
+        vocab_size=99,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=37,
+        max_position_embeddings=64,
+        type_vocab_size=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        **extra,
+    )
 
 
 def _bert_batch(labels: bool):
@@ -195,6 +218,7 @@ def _bert_batch(labels: bool):
         if labels:
             kwargs["labels"] = torch.randint(0, 3, (3,), generator=g)
         return (), kwargs
+
     return make
 
 
@@ -223,6 +247,7 @@ def test_hf_bert_model_tuple_outputs_weighted_loss():
 
 
 # --- activation checkpointing (torch.utils.checkpoint's reentrant Function) -------------------
+
 
 class Checkpointed(nn.Module):
     """input projection, a checkpointed block (LayerNorm, Linear, timm's SwishMe Function,
@@ -260,6 +285,7 @@ def test_reentrant_checkpoint(how):
 
 
 # --- torch.compile(backend="ortbridge") -------------------------------------------------------
+
 
 def transformer_block(width: int) -> nn.Module:
     """benchmarks/train_step.py's Block: pre-norm attention + MLP whose activation is a Function."""

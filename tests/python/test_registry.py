@@ -7,10 +7,10 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from conftest import T, model, python_op, session, value
 from onnx import TensorProto as TP
 
 import ortbridge
-from conftest import T, model, python_op, session, value
 
 
 class Base(torch.autograd.Function):
@@ -29,7 +29,8 @@ class Derived(Base):  # an indirect subclass of Function (ORTModule rejected the
         return x + 2
 
 
-def run_one(func_name, x=np.zeros(2, np.float32), from_ortmodule=False):
+def run_one(func_name, x=None, from_ortmodule=False):
+    x = np.zeros(2, np.float32) if x is None else x
     node = python_op(func_name, [T("x")], [(TP.FLOAT, 1)], out_names=["y"])
     graph = model([node], [value("x", shape=[2])], [value("y")])
     if from_ortmodule:  # the same node as ORTModule writes it, converted
@@ -67,6 +68,7 @@ def test_same_class_name_in_different_scopes_resolves_by_qualified_name():
             @staticmethod
             def backward(ctx, g):
                 return g
+
         return Base
 
     local = ortbridge.register(make())
@@ -90,16 +92,21 @@ SIDE_EFFECT_MODULE = "ortbridge_test_side_effect"
 
 
 @pytest.mark.parametrize("from_ortmodule", [False, True], ids=["ortbridge-graph", "converted-ortmodule-graph"])
-@pytest.mark.parametrize("func_name", ["os.system", "builtins.eval", "subprocess.Popen",
-                                       f"{SIDE_EFFECT_MODULE}.Payload", "torch.autograd.Function"])
+@pytest.mark.parametrize(
+    "func_name",
+    ["os.system", "builtins.eval", "subprocess.Popen", f"{SIDE_EFFECT_MODULE}.Payload", "torch.autograd.Function"],
+)
 def test_unregistered_names_are_refused_and_nothing_is_imported(func_name, from_ortmodule, tmp_path, monkeypatch):
     marker = tmp_path / "imported"
     (tmp_path / f"{SIDE_EFFECT_MODULE}.py").write_text(
         f"open({str(marker)!r}, 'w').write('side effect')\n"
-        "import torch\nclass Payload(torch.autograd.Function):\n    pass\n")
+        "import torch\nclass Payload(torch.autograd.Function):\n    pass\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     modules_before = set(sys.modules)
-    with pytest.raises(ortbridge.UnknownFunctionError, match=f"calls Function '{re.escape(func_name)}', and no Function is registered"):
+    with pytest.raises(
+        ortbridge.UnknownFunctionError, match=f"calls Function '{re.escape(func_name)}', and no Function is registered"
+    ):
         run_one(func_name, from_ortmodule=from_ortmodule)
     assert not marker.exists(), "the model made a module import"
     assert SIDE_EFFECT_MODULE not in sys.modules

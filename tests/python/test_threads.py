@@ -5,10 +5,10 @@ import threading
 
 import numpy as np
 import torch
+from conftest import T, model, python_op, python_op_grad, session, value
 from onnx import TensorProto as TP
 
 import ortbridge
-from conftest import T, model, python_op, python_op_grad, session, value
 
 
 @ortbridge.register
@@ -80,8 +80,11 @@ def test_function_that_runs_an_ortbridge_session_does_not_deadlock():
     bw = python_op_grad(RunsInnerSession, "d", [("g", TP.FLOAT, 1)], [("gx", TP.FLOAT, 1)])
     outer = session(model([fw, bw], [value("x", shape=[None]), value("g", shape=[None])], [value("y"), value("gx")]))
     result = {}
-    t = threading.Thread(target=lambda: result.update(out=outer.run(None, {"x": np.arange(4, dtype=np.float32),
-                                                                            "g": np.ones(4, np.float32)})))
+    t = threading.Thread(
+        target=lambda: result.update(
+            out=outer.run(None, {"x": np.arange(4, dtype=np.float32), "g": np.ones(4, np.float32)})
+        )
+    )
     t.start()
     t.join(timeout=60)
     assert not t.is_alive(), "nested ortbridge sessions deadlocked"
@@ -94,15 +97,32 @@ def test_function_that_runs_an_ortbridge_session_does_not_deadlock():
 def test_parallel_executor_runs_kernels_on_ort_threads():
     # ORT's parallel executor calls kernels from its own (non-Python) threads.
     import onnxruntime as ort
-    nodes = [python_op(Scale, [T("x", requires_grad=True), float(k)], [(TP.FLOAT, 1)], out_names=[f"y{k}"],
-                       ctx_name=f"c{k}", name=f"fw{k}", training=True) for k in (2, 5)]
-    nodes += [python_op_grad(Scale, "dc", [("g", TP.FLOAT, 1)], [(f"gx{k}", TP.FLOAT, 1)], ctx_name=f"c{k}",
-                             name=f"bw{k}") for k in (2, 5)]
+
+    nodes = [
+        python_op(
+            Scale,
+            [T("x", requires_grad=True), float(k)],
+            [(TP.FLOAT, 1)],
+            out_names=[f"y{k}"],
+            ctx_name=f"c{k}",
+            name=f"fw{k}",
+            training=True,
+        )
+        for k in (2, 5)
+    ]
+    nodes += [
+        python_op_grad(Scale, "dc", [("g", TP.FLOAT, 1)], [(f"gx{k}", TP.FLOAT, 1)], ctx_name=f"c{k}", name=f"bw{k}")
+        for k in (2, 5)
+    ]
     so = ort.SessionOptions()
     so.execution_mode = ort.ExecutionMode.ORT_PARALLEL
     so.inter_op_num_threads = 2
-    sess = session(model(nodes, [value("x", shape=[None]), value("g", shape=[None])],
-                         [value(n) for n in ("y2", "y5", "gx2", "gx5")]), sess_options=so)
+    sess = session(
+        model(
+            nodes, [value("x", shape=[None]), value("g", shape=[None])], [value(n) for n in ("y2", "y5", "gx2", "gx5")]
+        ),
+        sess_options=so,
+    )
     x, g = np.arange(5, dtype=np.float32), np.ones(5, np.float32)
     for _ in range(50):
         y2, y5, gx2, gx5 = sess.run(None, {"x": x, "g": g})

@@ -21,13 +21,23 @@ class Sentences(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         generator = torch.Generator().manual_seed(i)
-        return {"input_ids": torch.randint(0, 64, (8,), generator=generator),
-                "attention_mask": torch.ones(8, dtype=torch.long), "labels": torch.tensor(i % 2)}
+        return {
+            "input_ids": torch.randint(0, 64, (8,), generator=generator),
+            "attention_mask": torch.ones(8, dtype=torch.long),
+            "labels": torch.tensor(i % 2),
+        }
 
 
 def _bert():
-    config = transformers.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                                     intermediate_size=32, max_position_embeddings=32, num_labels=2)
+    config = transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+        num_labels=2,
+    )
     torch.manual_seed(0)
     return transformers.BertForSequenceClassification(config)
 
@@ -35,10 +45,18 @@ def _bert():
 def _hugging_face_trainer(model, folder):
     """Trains 3 steps, evaluates; (training losses, evaluation loss)."""
     args = transformers.TrainingArguments(
-        output_dir=str(folder), max_steps=3, per_device_train_batch_size=4, use_cpu=True, report_to=[],
-        save_strategy="no", logging_steps=1, seed=0, dataloader_num_workers=0,
+        output_dir=str(folder),
+        max_steps=3,
+        per_device_train_batch_size=4,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        dataloader_num_workers=0,
         # (Trainer finds the label argument in the model's class: OrtModule's forward names none)
-        label_names=["labels"])
+        label_names=["labels"],
+    )
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Sentences(), eval_dataset=Sentences())
     trainer.train()
     evaluation = trainer.evaluate()
@@ -89,11 +107,19 @@ def test_lightning_module_with_a_wrapped_model_trains():
             return torch.optim.SGD(self.parameters(), lr=0.05)
 
     generator = torch.Generator().manual_seed(0)
-    data = torch.utils.data.TensorDataset(torch.randn(24, 8, generator=generator), torch.randn(24, 1, generator=generator))
+    data = torch.utils.data.TensorDataset(
+        torch.randn(24, 8, generator=generator), torch.randn(24, 1, generator=generator)
+    )
     results = []
     for model in (Regression(), ortbridge.OrtModule(Regression())):
-        trainer = lightning.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
-                                    enable_progress_bar=False, enable_model_summary=False)
+        trainer = lightning.Trainer(
+            max_steps=3,
+            accelerator="cpu",
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
         trainer.fit(Module(model), torch.utils.data.DataLoader(data, batch_size=8))
         results.append(model)
     eager, wrapped = results

@@ -13,11 +13,11 @@ import sys
 
 import pytest
 import torch
+import training_functions as tf
+from training_functions import Apply
 
 import ortbridge
-import training_functions as tf
 from ortbridge import _torch_private
-from training_functions import Apply
 
 F = torch.nn.functional
 
@@ -46,8 +46,9 @@ def _inputs(step: int, shape=(5, 4), requires_grad=True) -> tuple:
     return (torch.randn(*shape, generator=g).requires_grad_(requires_grad),)
 
 
-def train_like_eager(model: torch.nn.Module, make_inputs=_inputs, steps: int = 3, calls: int = 1, wrap=None,
-                     rtol: float = 1e-4):
+def train_like_eager(
+    model: torch.nn.Module, make_inputs=_inputs, steps: int = 3, calls: int = 1, wrap=None, rtol: float = 1e-4
+):
     """Trains `model` and an ortbridge copy side by side with SGD; after every step outputs,
     loss, gradients of every parameter and input, and parameters are equal (to `rtol`: ORT sums
     in another order than torch), and no context is left. Returns the wrapped copy."""
@@ -61,7 +62,7 @@ def train_like_eager(model: torch.nn.Module, make_inputs=_inputs, steps: int = 3
         for m in (eager, wrapped):
             inputs = [copy.deepcopy(x) for k in range(calls) for x in make_inputs(step * calls + k)]
             per_call = len(inputs) // calls
-            outs = [m(*inputs[k * per_call:(k + 1) * per_call]) for k in range(calls)]
+            outs = [m(*inputs[k * per_call : (k + 1) * per_call]) for k in range(calls)]
             loss = sum(_loss(o) for o in outs)
             loss.backward()
             losses.append((outs, loss, inputs))
@@ -112,6 +113,7 @@ def _python_op_names(wrapped) -> set:
 
 # --- parity scenarios -------------------------------------------------------------------------
 
+
 def test_bias_gelu_with_a_parameter_consumed_inside_the_model():
     torch.manual_seed(0)
     model = Apply(lambda m, h: tf.BiasGelu.apply(h, m.bias), bias=torch.nn.Parameter(torch.randn(6)))
@@ -155,8 +157,12 @@ def test_constants_on_ctx_keep_type_and_value():
 
 def test_tensor_not_first_and_a_string_argument():
     torch.manual_seed(0)
-    model = Apply(lambda m, h: tf.TensorNotFirst.apply(0.5, h, m.shift, "double") +
-                  tf.TensorNotFirst.apply(0.25, h, m.shift, "triple"), shift=torch.nn.Parameter(torch.randn(6)))
+    model = Apply(
+        lambda m, h: (
+            tf.TensorNotFirst.apply(0.5, h, m.shift, "double") + tf.TensorNotFirst.apply(0.25, h, m.shift, "triple")
+        ),
+        shift=torch.nn.Parameter(torch.randn(6)),
+    )
     train_like_eager(model)
 
 
@@ -164,16 +170,21 @@ def test_none_gradient_for_a_parameter_arrives_as_zeros():
     """The backward graph is fixed at capture: a gradient slot for each input that requires one.
     A backward returning None there gives zeros, where eager PyTorch leaves .grad None."""
     torch.manual_seed(0)
-    wrapped = ortbridge.OrtModule(Apply(lambda m, h: tf.Constants.apply(h, 0.1, True, 3, (1, 2)) + 0 * m.unused,
-                                        unused=torch.nn.Parameter(torch.ones(6))))
+    wrapped = ortbridge.OrtModule(
+        Apply(
+            lambda m, h: tf.Constants.apply(h, 0.1, True, 3, (1, 2)) + 0 * m.unused,
+            unused=torch.nn.Parameter(torch.ones(6)),
+        )
+    )
     wrapped(torch.randn(5, 4)).sum().backward()
     assert wrapped.module.unused.grad is not None and not wrapped.module.unused.grad.any()
 
 
 def test_two_outputs_with_a_hand_written_jacobian():
     torch.manual_seed(0)
-    model = Apply(lambda m, h: torch.cat(tf.TwoOutputs.apply(h, m.y.expand_as(h)), dim=1),
-                  y=torch.nn.Parameter(torch.randn(6)))
+    model = Apply(
+        lambda m, h: torch.cat(tf.TwoOutputs.apply(h, m.y.expand_as(h)), dim=1), y=torch.nn.Parameter(torch.randn(6))
+    )
     model.outer = torch.nn.Linear(12, 3)
     train_like_eager(model)
 
@@ -202,8 +213,9 @@ def test_unused_output_and_materialize_grads(materialize):
 
 def test_function_whose_forward_calls_a_submodule():
     torch.manual_seed(0)
-    model = Apply(lambda m, h: tf.RunsSubmodule.apply(h, m.sub), sub=torch.nn.Sequential(
-        torch.nn.Linear(6, 6), torch.nn.Tanh()))
+    model = Apply(
+        lambda m, h: tf.RunsSubmodule.apply(h, m.sub), sub=torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh())
+    )
     train_like_eager(model)
 
 
@@ -306,8 +318,10 @@ def test_batch_norm_and_dropout_buffers_and_eval_mode():
     torch.testing.assert_close(wrapped.module.norm.running_mean, model.norm.running_mean)
     torch.testing.assert_close(wrapped.module.norm.running_var, model.norm.running_var)
     # Training batch norm runs in PyTorch, one node each way (not ~60 small ONNX nodes).
-    assert {("PythonOp", "aten::_native_batch_norm_legit_functional.default"),
-            ("PythonOp", "aten::native_batch_norm_backward.default")} <= _python_op_names(wrapped)
+    assert {
+        ("PythonOp", "aten::_native_batch_norm_legit_functional.default"),
+        ("PythonOp", "aten::native_batch_norm_backward.default"),
+    } <= _python_op_names(wrapped)
     model.drop.p = wrapped.module.drop.p = 0.5
     model.eval()
     wrapped.eval()
@@ -352,9 +366,12 @@ def test_training_batch_norm_writes_its_outputs_into_onnx_runtimes_buffers():
 
 # --- contexts and memory ----------------------------------------------------------------------
 
+
 def _bias_gelu_model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return ortbridge.OrtModule(Apply(lambda m, h: tf.BiasGelu.apply(h, m.bias), bias=torch.nn.Parameter(torch.randn(6))))
+    return ortbridge.OrtModule(
+        Apply(lambda m, h: tf.BiasGelu.apply(h, m.bias), bias=torch.nn.Parameter(torch.randn(6)))
+    )
 
 
 def test_context_kept_until_backward_and_released_when_the_graph_is_dropped():
@@ -384,9 +401,23 @@ def test_forward_only_loops_keep_no_contexts():
 def _heap_in_use() -> int:
     """Bytes glibc's malloc has handed out and not had back, over all arenas and mmapped blocks:
     exact, where RSS also counts freed pages the allocator keeps and pages other tests left."""
+
     class MallInfo2(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                         "fsmblks", "uordblks", "fordblks", "keepcost")]
+        _fields_ = [
+            (name, ctypes.c_size_t)
+            for name in (
+                "arena",
+                "ordblks",
+                "smblks",
+                "hblks",
+                "hblkhd",
+                "usmblks",
+                "fsmblks",
+                "uordblks",
+                "fordblks",
+                "keepcost",
+            )
+        ]
 
     mallinfo2 = getattr(ctypes.CDLL(None), "mallinfo2", None)
     if mallinfo2 is None:
@@ -430,7 +461,7 @@ def test_thousand_steps_keep_memory_flat():
     # (Python's blocks include its free lists and caches, which move by a few hundred; a leak of
     # one object a step adds a thousand or more.)
     assert blocks[1] < 500 and objects[1] < 100, f"Python blocks +{blocks}, objects +{objects} per 1,000 steps"
-    assert rss[1] < 4 * 2 ** 20, f"RSS grew by {[r / 2 ** 20 for r in rss]} MiB per 1,000 steps"
+    assert rss[1] < 4 * 2**20, f"RSS grew by {[r / 2**20 for r in rss]} MiB per 1,000 steps"
 
 
 @pytest.mark.parametrize("owner", [True, False], ids=["with-node-owner", "without"])
@@ -457,6 +488,7 @@ def test_a_context_outlives_its_outputs_where_its_node_is_kept(owner):
 
 # --- capture ----------------------------------------------------------------------------------
 
+
 def test_recapture_when_the_signature_changes_only():
     wrapped = _bias_gelu_model()
     for shape in ((5, 4), (5, 4), (7, 4), (2, 3, 4)):
@@ -478,26 +510,38 @@ def test_recapture_when_the_signature_changes_only():
 def test_dynamic_sizes_share_one_capture():
     torch.manual_seed(0)
     shapes = [(2, 5, 32), (3, 7, 32), (2, 9, 32), (4, 3, 32)]
-    wrapped = train_like_eager(transformer_block(32), steps=len(shapes),
-                               make_inputs=lambda step: _inputs(step, shapes[step]),
-                               wrap=lambda m: ortbridge.OrtModule(m, dynamic=True), rtol=5e-3)  # attention: sums in another order
+    wrapped = train_like_eager(
+        transformer_block(32),
+        steps=len(shapes),
+        make_inputs=lambda step: _inputs(step, shapes[step]),
+        wrap=lambda m: ortbridge.OrtModule(m, dynamic=True),
+        rtol=5e-3,
+    )  # attention: sums in another order
     assert len(_all_captures(wrapped)) == 1
     # Functions' output shapes follow the input dims: numpy forward, parameter, several batch sizes
     torch.manual_seed(0)
-    model = Apply(lambda m, h: tf.NumpyScale.apply(tf.BiasGelu.apply(h, m.bias), 2.0),
-                  bias=torch.nn.Parameter(torch.randn(6)))
+    model = Apply(
+        lambda m, h: tf.NumpyScale.apply(tf.BiasGelu.apply(h, m.bias), 2.0), bias=torch.nn.Parameter(torch.randn(6))
+    )
     batches = [5, 7, 3, 1, 9]
-    wrapped = train_like_eager(model, steps=len(batches), make_inputs=lambda step: _inputs(step, (batches[step], 4)),
-                               wrap=lambda m: ortbridge.OrtModule(m, dynamic=True))
+    wrapped = train_like_eager(
+        model,
+        steps=len(batches),
+        make_inputs=lambda step: _inputs(step, (batches[step], 4)),
+        wrap=lambda m: ortbridge.OrtModule(m, dynamic=True),
+    )
     assert len(_all_captures(wrapped)) == 2  # a size of 1 is specialized, as torch does
 
 
 def test_dynamic_sizes_with_infer_shape():
     torch.manual_seed(0)
     batches = [5, 7, 3]
-    wrapped = train_like_eager(Apply(lambda m, h: tf.Doubled.apply(h)), steps=len(batches),
-                               make_inputs=lambda step: _inputs(step, (batches[step], 4)),
-                               wrap=lambda m: ortbridge.OrtModule(m, dynamic=True))
+    wrapped = train_like_eager(
+        Apply(lambda m, h: tf.Doubled.apply(h)),
+        steps=len(batches),
+        make_inputs=lambda step: _inputs(step, (batches[step], 4)),
+        wrap=lambda m: ortbridge.OrtModule(m, dynamic=True),
+    )
     assert len(_all_captures(wrapped)) == 1
 
 
@@ -541,7 +585,7 @@ def test_tensors_are_bound_again_once_their_address_or_shape_changes():
     eager = copy.deepcopy(wrapped.module)
     buffer = torch.randn(40)
     for shape in ((5, 4), (5, 4), (3, 4), (2, 4), (2, 4)):
-        x = buffer[:shape[0] * 4].view(shape)  # (each at buffer's address)
+        x = buffer[: shape[0] * 4].view(shape)  # (each at buffer's address)
         if shape == (2, 4):
             for m in (wrapped.module, eager):
                 m.linear.weight.data = m.linear.weight.data * 2  # (the same Parameter: no new capture)
@@ -574,7 +618,9 @@ def test_captures_on_two_threads_leave_apply_as_it_was():
     def capture(width):
         try:
             torch.manual_seed(width)
-            model = Apply(lambda m, h: tf.BiasGelu.apply(h, m.bias), width=width, bias=torch.nn.Parameter(torch.randn(width)))
+            model = Apply(
+                lambda m, h: tf.BiasGelu.apply(h, m.bias), width=width, bias=torch.nn.Parameter(torch.randn(width))
+            )
             wrapped = ortbridge.OrtModule(copy.deepcopy(model))
             x = torch.randn(3, 4)
             _assert_close(wrapped(x), model(x), f"width {width}")
@@ -593,6 +639,7 @@ def test_captures_on_two_threads_leave_apply_as_it_was():
 
 
 # --- errors -----------------------------------------------------------------------------------
+
 
 def test_function_error_in_forward_and_backward_leaves_no_context():
     torch.manual_seed(0)
@@ -671,19 +718,25 @@ def test_function_changing_its_outputs_after_capture_is_an_error(change, message
 
 # --- torch.compile ----------------------------------------------------------------------------
 
+
 def test_torch_compile_finds_the_backend_without_importing_ortbridge():
-    code = ("import torch\n"
-            "model = torch.compile(torch.nn.Linear(3, 2), backend='ortbridge')\n"
-            "x = torch.randn(4, 3)\n"
-            "model(x).sum().backward()\n"
-            "import sys; print('ortbridge' in sys.modules, model.weight.grad.shape)\n")
+    code = (
+        "import torch\n"
+        "model = torch.compile(torch.nn.Linear(3, 2), backend='ortbridge')\n"
+        "x = torch.randn(4, 3)\n"
+        "model(x).sum().backward()\n"
+        "import sys; print('ortbridge' in sys.modules, model.weight.grad.shape)\n"
+    )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     assert run.stdout.split() == ["True", "torch.Size([2,", "3])"]
 
 
-@pytest.mark.parametrize("call", [lambda m, h: tf.BiasGelu.apply(h, m.bias), lambda m, h: tf.SiLUSavingInput.apply(h + m.bias)],
-                         ids=["backward-runs-autograd", "plain"])
+@pytest.mark.parametrize(
+    "call",
+    [lambda m, h: tf.BiasGelu.apply(h, m.bias), lambda m, h: tf.SiLUSavingInput.apply(h + m.bias)],
+    ids=["backward-runs-autograd", "plain"],
+)
 def test_torch_compile_backend(call):
     # (NumpyScale splits the graph: dynamo cannot trace numpy, so it runs eagerly between two graphs.)
     def model():
@@ -694,9 +747,10 @@ def test_torch_compile_backend(call):
     try:
         train_like_eager(model(), wrap=lambda m: torch.compile(m, backend="eager"))
     except AssertionError as e:  # (torch 2.11's dynamo gives BiasGelu's graph an output without gradient)
-        pytest.xfail(f"torch {torch.__version__}'s own torch.compile(backend='eager') differs from eager: "
-                     f"{str(e).splitlines()[0]}")
+        pytest.xfail(
+            f"torch {torch.__version__}'s own torch.compile(backend='eager') differs from eager: "
+            f"{str(e).splitlines()[0]}"
+        )
     torch._dynamo.reset()
     compiled = train_like_eager(model(), wrap=lambda m: torch.compile(m, backend="ortbridge"))
     assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
-

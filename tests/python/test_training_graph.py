@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 import torch
+from conftest import DEVICE_PATH, NewStyle, T, model, python_op, python_op_grad, session, value
 from onnx import TensorProto as TP
 
 import ortbridge
 from ortbridge import _runner
-from conftest import DEVICE_PATH, NewStyle, T, model, python_op, python_op_grad, session, value
 
 
 @ortbridge.register
@@ -15,6 +15,7 @@ class MulSum(torch.autograd.Function):
     """y = x * w * alpha, s = sum(x + w): two outputs, a float constant between tensors. Each of
     `observers` is called with x in forward and with gy in backward (test_cuda.py records there
     which device and stream the Function runs on)."""
+
     observers: list = []
 
     @staticmethod
@@ -36,11 +37,19 @@ class MulSum(torch.autograd.Function):
 def mulsum_model(present=(True, True), wanted=(True, True)) -> bytes:
     """MulSum's forward and backward in one graph: inputs x, w (any length), gy, gs (those
     `present`); outputs y, s, gx, gw (the gradients `wanted`)."""
-    fw = python_op(MulSum, [T("x", requires_grad=True), 0.3, T("w", requires_grad=True)],
-                   [(TP.FLOAT, 1), (TP.FLOAT, 0)], out_names=["y", "s"], training=True)
-    bw = python_op_grad(MulSum, "dcd", [("gy" if present[0] else None, TP.FLOAT, 1),
-                                         ("gs" if present[1] else None, TP.FLOAT, 0)],
-                        [("gx" if wanted[0] else None, TP.FLOAT, 1), ("gw" if wanted[1] else None, TP.FLOAT, 1)])
+    fw = python_op(
+        MulSum,
+        [T("x", requires_grad=True), 0.3, T("w", requires_grad=True)],
+        [(TP.FLOAT, 1), (TP.FLOAT, 0)],
+        out_names=["y", "s"],
+        training=True,
+    )
+    bw = python_op_grad(
+        MulSum,
+        "dcd",
+        [("gy" if present[0] else None, TP.FLOAT, 1), ("gs" if present[1] else None, TP.FLOAT, 0)],
+        [("gx" if wanted[0] else None, TP.FLOAT, 1), ("gw" if wanted[1] else None, TP.FLOAT, 1)],
+    )
     inputs = [value("x", shape=[None]), value("w", shape=[None])]
     inputs += [value(n, shape=s) for n, s, p in (("gy", [None], present[0]), ("gs", [], present[1])) if p]
     outputs = [value("y"), value("s")] + [value(n) for n, w in (("gx", wanted[0]), ("gw", wanted[1])) if w]
@@ -103,8 +112,9 @@ class NoMaterialize(torch.autograd.Function):
 
 
 def test_set_materialize_grads_false_passes_none():
-    fw = python_op(NoMaterialize, [T("x", requires_grad=True)], [(TP.FLOAT, 1)] * 2, out_names=["a", "b"],
-                   training=True)
+    fw = python_op(
+        NoMaterialize, [T("x", requires_grad=True)], [(TP.FLOAT, 1)] * 2, out_names=["a", "b"], training=True
+    )
     bw = python_op_grad(NoMaterialize, "d", [("ga", TP.FLOAT, 1), (None, TP.FLOAT, 1)], [("gx", TP.FLOAT, 1)])
     sess = session(model([fw, bw], [value("x", shape=[3]), value("ga", shape=[3])], [value("b"), value("gx")]))
     _, gx = sess.run(None, {"x": np.ones(3, np.float32), "ga": np.full(3, 5, np.float32)})
@@ -116,6 +126,7 @@ def test_set_materialize_grads_false_passes_none():
 class SavesItsInput(torch.autograd.Function):
     """Saves its input both ways torch allows, and a view into it (x[1:], whose data does not
     start where the buffer does); ORT's buffer must not be what is kept."""
+
     forward_bytes = None
 
     @staticmethod
@@ -138,6 +149,7 @@ class SavesItsInput(torch.autograd.Function):
 def test_tensors_kept_for_backward_are_copies_of_ort_buffers():
     # Relu makes x an intermediate that ORT may reuse once PythonOp has run.
     from onnx import helper
+
     fw = python_op(SavesItsInput, [T("r", requires_grad=True)], [(TP.FLOAT, 1)], out_names=["y"], training=True)
     bw = python_op_grad(SavesItsInput, "d", [("g", TP.FLOAT, 1)], [("gr", TP.FLOAT, 1)])
     nodes = [helper.make_node("Relu", ["x"], ["r"]), fw, helper.make_node("Neg", ["y"], ["z"]), bw]
@@ -155,6 +167,7 @@ def _saved_tensor_hooks_pushed() -> bool:
 @ortbridge.register
 class SavesExp(torch.autograd.Function):
     """exp(x), saving x; notes in `seen` whether saved-tensor hooks were pushed in each call."""
+
     seen: list = []
 
     @staticmethod
@@ -178,11 +191,26 @@ def test_saved_tensor_hooks_are_only_pushed_in_training_forwards():
     # view of one would give a wrong gradient). Other kernels' Functions run without them, and
     # no run leaves them pushed, however it ends.
     from onnx import helper
-    fw = [python_op(SavesExp, [T(f"r{i}", requires_grad=True)], [(TP.FLOAT, 1)], out_names=[f"y{i}"],
-                    ctx_name=f"c{i}", training=True, name=f"fw{i}") for i in (1, 2, 3)]
+
+    fw = [
+        python_op(
+            SavesExp,
+            [T(f"r{i}", requires_grad=True)],
+            [(TP.FLOAT, 1)],
+            out_names=[f"y{i}"],
+            ctx_name=f"c{i}",
+            training=True,
+            name=f"fw{i}",
+        )
+        for i in (1, 2, 3)
+    ]
     between = python_op(SavesExp, [T("y2")], [(TP.FLOAT, 1)], out_names=["m"], ctx_name="", name="inference")
-    bw = [python_op_grad(SavesExp, "d", [(f"h{i}", TP.FLOAT, 1)], [(f"gr{i}", TP.FLOAT, 1)], ctx_name=f"c{i}",
-                         name=f"bw{i}") for i in (3, 2, 1)]
+    bw = [
+        python_op_grad(
+            SavesExp, "d", [(f"h{i}", TP.FLOAT, 1)], [(f"gr{i}", TP.FLOAT, 1)], ctx_name=f"c{i}", name=f"bw{i}"
+        )
+        for i in (3, 2, 1)
+    ]
     relu = [helper.make_node("Relu", [a], [b]) for a, b in (("x", "r1"), ("y1", "r2"), ("m", "r3"))]
     # h_i = g_i + (y3 - y3): the backwards run after the last forward
     after = [helper.make_node("Sub", ["y3", "y3"], ["zero"])]
@@ -202,8 +230,12 @@ def test_saved_tensor_hooks_are_only_pushed_in_training_forwards():
     for grad, g, r in zip(grads, gs, (r1, r2, r3)):
         np.testing.assert_allclose(grad, g * np.exp(r), rtol=1e-4)
     if not DEVICE_PATH:  # (the device path's calls go through the runner's `run`, which pushes its own)
-        assert SavesExp.seen == [("training forward", True)] * 2 + [("forward", False), ("training forward", True)] + \
-            [("backward", False)] * 3
+        assert (
+            SavesExp.seen
+            == [("training forward", True)] * 2
+            + [("forward", False), ("training forward", True)]
+            + [("backward", False)] * 3
+        )
     assert ortbridge.context_pool_size() == 0
 
     with pytest.raises(Exception, match="an input above 100"):  # (fw2's, exp(5): raised with the hooks left pushed)
@@ -236,14 +268,22 @@ def test_backward_never_runs_when_no_output_needs_a_gradient():
 def cross_session_models() -> tuple[bytes, bytes]:
     """(forward, backward): MulSum's forward alone (inputs x, w of length 3; outputs ctx, the
     context id, y, s) and its backward alone (inputs ctx, gy, gs; outputs gx, gw)."""
-    fw = python_op(MulSum, [T("x", requires_grad=True), 0.3, T("w", requires_grad=True)],
-                   [(TP.FLOAT, 1), (TP.FLOAT, 0)], out_names=["y", "s"], training=True)
-    forward = model([fw], [value("x", shape=[3]), value("w", shape=[3])],
-                    [value("ctx", TP.INT64), value("y"), value("s")])
-    bw = python_op_grad(MulSum, "dcd", [("gy", TP.FLOAT, 1), ("gs", TP.FLOAT, 0)],
-                        [("gx", TP.FLOAT, 1), ("gw", TP.FLOAT, 1)])
-    backward = model([bw], [value("ctx", TP.INT64, []), value("gy", shape=[3]), value("gs", shape=[])],
-                     [value("gx"), value("gw")])
+    fw = python_op(
+        MulSum,
+        [T("x", requires_grad=True), 0.3, T("w", requires_grad=True)],
+        [(TP.FLOAT, 1), (TP.FLOAT, 0)],
+        out_names=["y", "s"],
+        training=True,
+    )
+    forward = model(
+        [fw], [value("x", shape=[3]), value("w", shape=[3])], [value("ctx", TP.INT64), value("y"), value("s")]
+    )
+    bw = python_op_grad(
+        MulSum, "dcd", [("gy", TP.FLOAT, 1), ("gs", TP.FLOAT, 0)], [("gx", TP.FLOAT, 1), ("gw", TP.FLOAT, 1)]
+    )
+    backward = model(
+        [bw], [value("ctx", TP.INT64, []), value("gy", shape=[3]), value("gs", shape=[])], [value("gx"), value("gw")]
+    )
     return forward, backward
 
 
@@ -319,12 +359,26 @@ class PassThrough(torch.autograd.Function):
 
 
 def test_input_passed_through_and_integer_output():
-    fw = python_op(PassThrough, [T("x", requires_grad=True), T("n", TP.INT64)],
-                   [(TP.FLOAT, 1), (TP.FLOAT, 1), (TP.INT64, 1)], out_names=["a", "b", "m"], training=True)
-    bw = python_op_grad(PassThrough, "dd", [("ga", TP.FLOAT, 1), ("gb", TP.FLOAT, 1), (None, TP.INT64, 1)],
-                        [("gx", TP.FLOAT, 1), (None, TP.INT64, 1)])
-    sess = session(model([fw, bw], [value("x", shape=[3]), value("n", TP.INT64, [2]), value("ga", shape=[3]),
-                                    value("gb", shape=[3])], [value("a"), value("b"), value("m", TP.INT64), value("gx")]))
+    fw = python_op(
+        PassThrough,
+        [T("x", requires_grad=True), T("n", TP.INT64)],
+        [(TP.FLOAT, 1), (TP.FLOAT, 1), (TP.INT64, 1)],
+        out_names=["a", "b", "m"],
+        training=True,
+    )
+    bw = python_op_grad(
+        PassThrough,
+        "dd",
+        [("ga", TP.FLOAT, 1), ("gb", TP.FLOAT, 1), (None, TP.INT64, 1)],
+        [("gx", TP.FLOAT, 1), (None, TP.INT64, 1)],
+    )
+    sess = session(
+        model(
+            [fw, bw],
+            [value("x", shape=[3]), value("n", TP.INT64, [2]), value("ga", shape=[3]), value("gb", shape=[3])],
+            [value("a"), value("b"), value("m", TP.INT64), value("gx")],
+        )
+    )
     x, n = np.arange(3, dtype=np.float32), np.array([4, 5])
     a, b, m, gx = sess.run(None, {"x": x, "n": n, "ga": np.ones(3, np.float32), "gb": np.ones(3, np.float32)})
     np.testing.assert_array_equal(a, x)
@@ -367,8 +421,9 @@ def test_training_calls_are_made_by_the_kernel(monkeypatch):
 
     fw = python_op(ReturnsLists, [T("x", requires_grad=True)], [(TP.FLOAT, 1)], out_names=["y"], training=True)
     bw = python_op_grad(ReturnsLists, "d", [("g", TP.FLOAT, 1)], [("gx", TP.FLOAT, 1)])
-    sess = session(model([fw, bw], [value("x", shape=[3]), value("g", shape=[3])], [value("y"), value("gx")]),
-                   device_path=False)
+    sess = session(
+        model([fw, bw], [value("x", shape=[3]), value("g", shape=[3])], [value("y"), value("gx")]), device_path=False
+    )
     y, gx = sess.run(None, {"x": x[:3], "g": gy[:3]})
     np.testing.assert_array_equal(y, x[:3] * 2)
     np.testing.assert_array_equal(gx, gy[:3] * 2)

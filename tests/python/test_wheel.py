@@ -32,8 +32,10 @@ EXT_SUFFIX = sysconfig.get_config_var("EXT_SUFFIX")  # e.g. .cpython-311-x86_64-
 PY_TAG = f"cp{sys.version_info.major}{sys.version_info.minor}"
 PLATFORM_TAG = sysconfig.get_platform().replace("-", "_").replace(".", "_")  # e.g. linux_x86_64
 # What the module may link: the C/C++ runtime (the system libraries every manylinux policy allows).
-SYSTEM_LIBS = re.compile(r"^(libc|libm|libdl|libpthread|librt|libstdc\+\+|libgcc_s|ld-linux-x86-64|"
-                         r"ld-linux-aarch64)\.so(\.\d+)*$")
+SYSTEM_LIBS = re.compile(
+    r"^(libc|libm|libdl|libpthread|librt|libstdc\+\+|libgcc_s|ld-linux-x86-64|"
+    r"ld-linux-aarch64)\.so(\.\d+)*$"
+)
 FORBIDDEN = ("libonnxruntime", "libtorch", "libc10", "libcudart", "libcuda", "libpython")
 
 
@@ -46,12 +48,25 @@ def built(tmp_path_factory):
     """Runs `pip wheel .` from the repository root; returns (wheel folder, wheel paths)."""
     tmp = tmp_path_factory.mktemp("wheel")
     wheel_dir, build_dir = tmp / "dist", tmp / "build"
-    cmd = [sys.executable, "-m", "pip", "wheel", ".", "--no-build-isolation", "--no-deps", "--no-index",
-           "-w", str(wheel_dir), f"--config-settings=build-dir={build_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        ".",
+        "--no-build-isolation",
+        "--no-deps",
+        "--no-index",
+        "-w",
+        str(wheel_dir),
+        f"--config-settings=build-dir={build_dir}",
+    ]
     start = time.monotonic()
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     took = time.monotonic() - start
-    assert done.returncode == 0, f"`pip wheel .` failed (exit {done.returncode}):\n{_tail(done.stdout)}\n{_tail(done.stderr)}"
+    assert done.returncode == 0, (
+        f"`pip wheel .` failed (exit {done.returncode}):\n{_tail(done.stdout)}\n{_tail(done.stderr)}"
+    )
     # the build ran in the folder given, not in the editable install's build/{wheel_tag}
     assert (build_dir / "CMakeCache.txt").is_file(), f"no CMake build in {build_dir}:\n{_tail(done.stdout)}"
     print(f"\n`pip wheel .` took {took:.0f} s")
@@ -87,10 +102,13 @@ def test_wheel_holds_the_package_and_the_module(wheel):
         metadata = z.read(f"{dist_info}/METADATA").decode()
         entry_points = z.read(f"{dist_info}/entry_points.txt").decode()
     module = f"ortbridge/_C{EXT_SUFFIX}"
-    assert module in names, f"{module} missing from the wheel: {sorted(n for n in names if n.startswith('ortbridge/_C'))}"
+    assert module in names, (
+        f"{module} missing from the wheel: {sorted(n for n in names if n.startswith('ortbridge/_C'))}"
+    )
     assert [n for n in names if re.fullmatch(r"ortbridge/_C.*\.so", n)] == [module]
-    sources = {"ortbridge/" + p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")
-               if "__pycache__" not in p.parts}
+    sources = {
+        "ortbridge/" + p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts
+    }
     assert "ortbridge/__init__.py" in sources
     assert not sources - names, f"package files missing from the wheel: {sorted(sources - names)}"
     stray = sorted(n for n in names if not n.startswith(("ortbridge/", f"{dist_info}/")) or "__pycache__" in n)
@@ -121,12 +139,32 @@ def test_quickstart_runs_from_the_wheel_in_a_fresh_venv(wheel, tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
-    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
-                              "--no-index", "--no-cache-dir", str(wheel)],
-                             capture_output=True, text=True, timeout=600)
+    install = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--no-cache-dir",
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert install.returncode == 0, f"installing the wheel failed:\n{install.stdout}\n{install.stderr}"
-    purelib = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                  capture_output=True, text=True, check=True).stdout.strip())
+    purelib = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
     assert (purelib / "ortbridge" / f"_C{EXT_SUFFIX}").is_file(), f"the wheel did not install into {purelib}"
     # The requirements (torch, onnxruntime, onnx, ...) from this interpreter, as plain path lines
     # (see the module docstring); written after the install, so pip saw an empty venv.
@@ -144,18 +182,21 @@ def test_quickstart_runs_from_the_wheel_in_a_fresh_venv(wheel, tmp_path):
         "import ortbridge, ortbridge._C\n"
         "print('ORTBRIDGE_FILE', ortbridge.__file__)\n"
         "print('ORTBRIDGE_C_FILE', ortbridge._C.__file__)\n"
-        "print('FINDERS', [f.__module__ + '.' + (f if isinstance(f, type) else type(f)).__qualname__ for f in sys.meta_path])\n")
+        "print('FINDERS', [f.__module__ + '.' + (f if isinstance(f, type) else type(f)).__qualname__ for f in sys.meta_path])\n"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
     start = time.monotonic()
-    run = subprocess.run([str(python), "-s", "-c", driver], cwd=examples, env=env,
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [str(python), "-s", "-c", driver], cwd=examples, env=env, capture_output=True, text=True, timeout=600
+    )
     took = time.monotonic() - start
     assert run.returncode == 0, f"the quickstart failed (exit {run.returncode}):\n{run.stdout}\n{_tail(run.stderr)}"
     print(f"\nquickstart from the wheel took {took:.0f} s:\n{run.stdout}")
     found = dict(re.findall(r"^(ORTBRIDGE_FILE|ORTBRIDGE_C_FILE) (.+)$", run.stdout, re.M))
     for key in ("ORTBRIDGE_FILE", "ORTBRIDGE_C_FILE"):
-        assert Path(found[key]).resolve().is_relative_to(purelib.resolve()), \
+        assert Path(found[key]).resolve().is_relative_to(purelib.resolve()), (
             f"ortbridge was not imported from the venv: {key} {found[key]} (venv: {purelib})"
+        )
     assert "_editable" not in run.stdout.split("FINDERS", 1)[1], f"the editable install's finder loaded:\n{run.stdout}"
     assert "OrtModule" in run.stdout and "max abs diff" in run.stdout, run.stdout
     assert (examples / "quickstart.onnx").is_file()

@@ -213,6 +213,7 @@ class NumpyScale(torch.autograd.Function):
 
 class FailsOnRequest(torch.autograd.Function):
     """Raises in forward or backward when told to, after the capture."""
+
     fail_forward = False
     fail_backward = False
 
@@ -273,5 +274,5 @@ class Doubled(torch.autograd.Function):
 
     @staticmethod
     def infer_shape(node, shapes, dtypes):
-        (rows, cols), = shapes
+        ((rows, cols),) = shapes
         return [[2 * rows, cols]], dtypes

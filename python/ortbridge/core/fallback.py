@@ -22,9 +22,19 @@ from torch.export.graph_signature import TensorArgument
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
 
 from .. import _dtypes, operators
-from .._torch_private import (OpOverload, detect_fake_mode, fx_config, onnx_decompositions, onnx_exporter,
-                              onnx_opsets, onnx_registry, pytree, remove_assertion_nodes, remove_effect_tokens,
-                              rename_node)
+from .._torch_private import (
+    OpOverload,
+    detect_fake_mode,
+    fx_config,
+    onnx_decompositions,
+    onnx_exporter,
+    onnx_opsets,
+    onnx_registry,
+    pytree,
+    remove_assertion_nodes,
+    remove_effect_tokens,
+    rename_node,
+)
 from .functions import ExportError
 from .nodes import Arguments, emit_python_op
 from .record import size_hint
@@ -39,11 +49,15 @@ aten = torch.ops.aten
 # by benchmarks/fallback_ops.py (both ways, in training steps, in one run).
 # (Attention on the CPU too: torch's fused kernel, where ONNX has Softmax between two MatMuls and
 # their transposes; its outputs saved for backward are the kernel's own.)
-PYTORCH_PREFERRED: set = {aten._embedding_bag.default, aten._native_batch_norm_legit_functional.default,
-                          aten.native_batch_norm_backward.default,
-                          aten.native_layer_norm_backward.default, aten.native_group_norm_backward.default,
-                          aten._scaled_dot_product_flash_attention_for_cpu.default,
-                          aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
+PYTORCH_PREFERRED: set = {
+    aten._embedding_bag.default,
+    aten._native_batch_norm_legit_functional.default,
+    aten.native_batch_norm_backward.default,
+    aten.native_layer_norm_backward.default,
+    aten.native_group_norm_backward.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+}
 
 
 def _safe_softmax(x: torch.Tensor, dim: int, dtype=None) -> torch.Tensor:
@@ -92,11 +106,16 @@ def _operator(node: torch.fx.Node) -> OpOverload | None:
     return node.target if isinstance(node.target, OpOverload) else None
 
 
-def _needs_fallback(node: torch.fx.Node, translated: frozenset, in_pytorch=frozenset(),
-                    random_in_pytorch: bool = False) -> bool:
+def _needs_fallback(
+    node: torch.fx.Node, translated: frozenset, in_pytorch=frozenset(), random_in_pytorch: bool = False
+) -> bool:
     op = _operator(node)
-    return op is not None and (node.target in _FUNCTIONALIZED or op not in translated
-                               or _in_pytorch(op, random_in_pytorch) or node.name in in_pytorch)
+    return op is not None and (
+        node.target in _FUNCTIONALIZED
+        or op not in translated
+        or _in_pytorch(op, random_in_pytorch)
+        or node.name in in_pytorch
+    )
 
 
 _CHECK = torch.ops.aten._linalg_check_errors.default
@@ -122,12 +141,15 @@ def fold_error_checks(graph: torch.fx.Graph, inputs_checked: bool = False) -> No
         else:
             continue
         made_by = info.args[0] if info.op == "call_function" and info.target is operator.getitem else None
-        if isinstance(getattr(made_by, "target", None), OpOverload) and \
-                "check_errors" in {a.name for a in made_by.target._schema.arguments}:
+        if isinstance(getattr(made_by, "target", None), OpOverload) and "check_errors" in {
+            a.name for a in made_by.target._schema.arguments
+        }:
             made_by.kwargs = {**made_by.kwargs, "check_errors": True}
         elif not (inputs_checked and info.op == "placeholder"):
-            raise ExportError(f"{node.args[-1] if token is None else node.args[3]}: an error check of a value that no "
-                              "operator with a check_errors argument made, which a graph cannot keep")
+            raise ExportError(
+                f"{node.args[-1] if token is None else node.args[3]}: an error check of a value that no "
+                "operator with a check_errors argument made, which a graph cannot keep"
+            )
         for user in list(node.users):  # (the token after the check: the one before it)
             user.replace_all_uses_with(token)
             graph.erase_node(user)
@@ -164,8 +186,12 @@ def optimizer_without_kernel(error: str) -> str | None:
     return match.group(1) if match else None
 
 
-def exportable(program: torch.export.ExportedProgram, in_pytorch=frozenset(),
-               opset_version: int | None = None, random_in_pytorch: bool = False) -> torch.export.ExportedProgram:
+def exportable(
+    program: torch.export.ExportedProgram,
+    in_pytorch=frozenset(),
+    opset_version: int | None = None,
+    random_in_pytorch: bool = False,
+) -> torch.export.ExportedProgram:
     """`program` decomposed as torch's ONNX exporter would decompose it for `opset_version`, each
     call of an operator it cannot write a fallback node; to_onnx translates it. `in_pytorch`:
     names of nodes of the decomposed program to run as fallback nodes too. `random_in_pytorch`:
@@ -176,8 +202,9 @@ def exportable(program: torch.export.ExportedProgram, in_pytorch=frozenset(),
     # (as torch's exporter decomposes: a dynamic dim may have an example size of 0 or 1)
     with fx_config.patch(backed_size_oblivious=True):
         # Decomposed as torch's exporter would decompose it (less the operators PyTorch runs).
-        decomposed = program.run_decompositions({op: f for op, f in table.items()
-                                                  if not _in_pytorch(op, random_in_pytorch)})
+        decomposed = program.run_decompositions(
+            {op: f for op, f in table.items() if not _in_pytorch(op, random_in_pytorch)}
+        )
         remove_assertion_nodes(decomposed.graph_module)  # (torch's exporter drops them too)
         if decomposed.graph.find_nodes(op="call_function", target=torch.ops.higher_order.with_effects):
             decomposed = remove_effect_tokens(decomposed)  # (2.13 and later: linalg's error checks)
@@ -191,14 +218,20 @@ def exportable(program: torch.export.ExportedProgram, in_pytorch=frozenset(),
                 operators.function(operators.name_of(op))
             except LookupError as e:
                 if operators.allowed(op.namespace):
-                    raise ExportError(f"operator {operators.name_of(op)} has no ONNX translation and cannot "
-                                      f"run as a fallback node: {e}") from None
+                    raise ExportError(
+                        f"operator {operators.name_of(op)} has no ONNX translation and cannot "
+                        f"run as a fallback node: {e}"
+                    ) from None
             if not operators.allowed(op.namespace):
-                raise ExportError(f"operator {operators.name_of(op)} has no ONNX translation, and its "
-                                  f"namespace is not allowed to run as a fallback node; call ortbridge.allow_operators("
-                                  f"'{op.namespace}') to let it run in PyTorch inside the graph.")
-        log.info("operators run by PyTorch inside the graph: %s",
-                 ", ".join(sorted({operators.name_of(_operator(n)) for n in fallbacks})))
+                raise ExportError(
+                    f"operator {operators.name_of(op)} has no ONNX translation, and its "
+                    f"namespace is not allowed to run as a fallback node; call ortbridge.allow_operators("
+                    f"'{op.namespace}') to let it run in PyTorch inside the graph."
+                )
+        log.info(
+            "operators run by PyTorch inside the graph: %s",
+            ", ".join(sorted({operators.name_of(_operator(n)) for n in fallbacks})),
+        )
         if random_in_pytorch:
             _draw_in_order([n for n in fallbacks if _random(n.target)])
         for node in fallbacks:
@@ -234,8 +267,11 @@ def _names_kept(program: torch.export.ExportedProgram, before: dict) -> None:
     takes that node's name back, the others are named after the node they come from (as
     _emit_in_place names them), so that the nodes ONNX Runtime reports are those `in_pytorch` names."""
     graph = program.graph
-    sources = {n: origin[-1].name for n in graph.nodes
-               if n.op == "call_function" and (origin := n.meta.get("from_node")) and origin[-1].name in before}
+    sources = {
+        n: origin[-1].name
+        for n in graph.nodes
+        if n.op == "call_function" and (origin := n.meta.get("from_node")) and origin[-1].name in before
+    }
     kept = {n for n, source in sources.items() if before[source] is n.target}
     if all(sources[n] == n.name for n in kept):
         return
@@ -286,7 +322,8 @@ def _static_with_elements(graph: torch.fx.Graph) -> bool:
     for node in graph.nodes:
         for value in pytree.tree_leaves(node.meta.get("val")):
             if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) or (
-                    isinstance(value, torch.Tensor) and not all(isinstance(d, int) and d > 0 for d in value.shape)):
+                isinstance(value, torch.Tensor) and not all(isinstance(d, int) and d > 0 for d in value.shape)
+            ):
                 return False
     return True
 
@@ -321,8 +358,9 @@ def _emit_in_place(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
     graph.erase_node(node)
 
 
-def to_onnx(program: torch.export.ExportedProgram, opset_version: int | None = None,
-            optimize: bool = True) -> onnx.ModelProto:
+def to_onnx(
+    program: torch.export.ExportedProgram, opset_version: int | None = None, optimize: bool = True
+) -> onnx.ModelProto:
     """`program` as exportable returns it, as ONNX: what torch.onnx.export(program, dynamo=True,
     opset_version=opset_version) writes (optimized, unless not `optimize`: then each node is of the
     translation of the FX node it names, where the optimizer's rewrites merge nodes of several),
@@ -330,12 +368,14 @@ def to_onnx(program: torch.export.ExportedProgram, opset_version: int | None = N
     opset_version, registry_opset = onnx_opsets(opset_version)
     exporter = onnx_exporter()
     if exporter.export is None:  # (the public export, which builds its own translations)
-        return torch.onnx.export(program, (), dynamo=True, opset_version=opset_version, verbose=False,
-                                 optimize=optimize).model_proto
+        return torch.onnx.export(
+            program, (), dynamo=True, opset_version=opset_version, verbose=False, optimize=optimize
+        ).model_proto
     registry = onnx_registry(registry_opset)
     if exporter.translate is None:  # (torch's export, which decomposes again)
-        return exporter.export(program, registry=registry, opset_version=opset_version, verbose=False,
-                               optimize=optimize).model_proto
+        return exporter.export(
+            program, registry=registry, opset_version=opset_version, verbose=False, optimize=optimize
+        ).model_proto
     # torch's export of an ExportedProgram after its decomposition (_core.export).
     with fx_config.patch(backed_size_oblivious=True):
         exporter.insert_type_promotion_nodes(program.graph_module)
@@ -370,6 +410,7 @@ _AFTER = "_ortbridge_after"  # the keyword of an emitter's ordering input (_draw
 def _emitter(target):
     """What a fallback node's FX target becomes: a function that emits the node (an operator's, or
     that of a functionalized call of one: `target` (op, **keywords))."""
+
     def emit(*args, **kwargs):
         after = kwargs.pop(_AFTER, None)
         op = args[0] if target in _FUNCTIONALIZED else target
@@ -382,8 +423,11 @@ def _emitter(target):
             result = _masked(op, result, args, kwargs)
         outputs = operators.flatten_outputs(result)
         if _random(op):
-            orders = tuple((k, order) for k, a in enumerate(args)
-                           if isinstance(a, torch.Tensor) and (order := _dim_order(a)) is not None)
+            orders = tuple(
+                (k, order)
+                for k, a in enumerate(args)
+                if isinstance(a, torch.Tensor) and (order := _dim_order(a)) is not None
+            )
             kwargs = {**kwargs, operators.DIM_ORDERS: orders} if orders else kwargs
         layout, keywords, values = _layout(args, kwargs)
         if after is not None:
@@ -391,9 +435,14 @@ def _emitter(target):
         arguments = Arguments(name, (layout, keywords, *values), pin=False)
         if arguments.objects:
             raise ExportError(f"operator {name} has an argument ONNX cannot hold: {arguments.objects}")
-        attrs = dict(arguments.attrs, output_tensor_types=[_dtypes.onnx_type(t.dtype) for t in outputs],
-                     output_tensor_ranks=[t.dim() for t in outputs], training_mode=0, safe_run_mode=0,
-                     call_index=next(_call_numbers))
+        attrs = dict(
+            arguments.attrs,
+            output_tensor_types=[_dtypes.onnx_type(t.dtype) for t in outputs],
+            output_tensor_ranks=[t.dim() for t in outputs],
+            training_mode=0,
+            safe_run_mode=0,
+            call_index=next(_call_numbers),
+        )
         nodes = emit_python_op(arguments.tensors, attrs, [t.dtype for t in outputs], [list(t.shape) for t in outputs])
         return _refilled(result, iter(nodes[1:]))
 

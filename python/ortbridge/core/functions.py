@@ -19,6 +19,8 @@ def bind(func: type, args: tuple, kwargs: dict) -> tuple:
         bound.apply_defaults()
         return tuple(bound.args)
     if kwargs:
-        raise ExportError(f"{func.__qualname__}.apply got keyword arguments {sorted(kwargs)}; torch passes keyword "
-                          "arguments only to Functions that define setup_context. Pass them by position.")
+        raise ExportError(
+            f"{func.__qualname__}.apply got keyword arguments {sorted(kwargs)}; torch passes keyword "
+            "arguments only to Functions that define setup_context. Pass them by position."
+        )
     return tuple(args)

@@ -48,8 +48,13 @@ def without_kernel(model: onnx.ModelProto, providers: list) -> set[str]:
         values = [*node.input, *node.output]
         if node.domain == DOMAIN or node.op_type == "Constant" or not all(v in types for v in values if v):
             continue
-        key = (repr(providers), node.domain, node.op_type, versions.get(node.domain or ""),
-               tuple(_type_key(types[v]) if v else None for v in values))
+        key = (
+            repr(providers),
+            node.domain,
+            node.op_type,
+            versions.get(node.domain or ""),
+            tuple(_type_key(types[v]) if v else None for v in values),
+        )
         if key not in _HAS_KERNEL:
             _HAS_KERNEL[key] = _has_kernel(node, model, types, providers)
         if not _HAS_KERNEL[key] and (name := fx_node_of(node)):
@@ -77,10 +82,15 @@ _HAS_KERNEL: dict[tuple, bool] = {}  # (providers, domain, operator, opset, valu
 def _has_kernel(node: onnx.NodeProto, model: onnx.ModelProto, types: dict, providers: list) -> bool:
     """Whether ONNX Runtime makes a session of `node` alone, on values of these types."""
     inputs = list(dict.fromkeys(v for v in node.input if v))
-    graph = helper.make_graph([node], "probe", [helper.make_value_info(v, types[v]) for v in inputs],
-                              [helper.make_value_info(v, types[v]) for v in node.output if v])
-    probe = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version,
-                              functions=model.functions)  # (a call of one of the model's functions: its nodes)
+    graph = helper.make_graph(
+        [node],
+        "probe",
+        [helper.make_value_info(v, types[v]) for v in inputs],
+        [helper.make_value_info(v, types[v]) for v in node.output if v],
+    )
+    probe = helper.make_model(
+        graph, opset_imports=model.opset_import, ir_version=model.ir_version, functions=model.functions
+    )  # (a call of one of the model's functions: its nodes)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.intra_op_num_threads = options.inter_op_num_threads = 1

@@ -18,7 +18,7 @@ from .._torch_private import ONNX_REGISTRATION_LOGGER
 from .functions import ExportError
 
 DOMAIN = "ortbridge"
-_INT64_MIN, _INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _f64_bits(x: float) -> int:
@@ -82,7 +82,8 @@ class Arguments:
             if _contains(arg, _SYMBOLIC):
                 raise ExportError(
                     f"argument {position} of {name}.apply depends on a dynamic dim, but a constant argument is fixed "
-                    "in the graph. Compute it inside forward from the tensors, or pass it as a tensor.")
+                    "in the graph. Compute it inside forward from the tensors, or pass it as a tensor."
+                )
             if _scalar_kind(arg):
                 values, positions = scalars[_scalar_kind(arg)]
                 values.append(arg)
@@ -98,14 +99,16 @@ class Arguments:
             elif _contains(arg, torch.Tensor):
                 raise ExportError(
                     f"argument {position} of {name}.apply is a {type(arg).__name__} that holds tensors; a node "
-                    "input must be a tensor itself. Pass each tensor as its own argument to apply.")
+                    "input must be a tensor itself. Pass each tensor as its own argument to apply."
+                )
             else:
                 held = _held_tensor(arg)
                 if held:
                     raise ExportError(
                         f"argument {position} of {name}.apply is a {type(arg).__name__} that holds {held}, a tensor "
                         "of this run: the graph would keep that one tensor for every later run. Pass the tensor "
-                        "to apply as an argument of its own.")
+                        "to apply as an argument of its own."
+                    )
                 values, positions = scalars["pointer"]
                 values.append(registry.pin_object(arg) if pin else 0)
                 positions.append(position)
@@ -135,14 +138,20 @@ class Arguments:
         """The node's attributes: the constants', then the tensor inputs' types and ranks."""
         if not self.tensors:  # (torch's exporter cannot write an empty list as an attribute)
             return dict(self.constants)
-        return dict(self.constants, input_tensor_types=[_dtypes.onnx_type(t.dtype) for t in self.tensors],
-                    input_tensor_ranks=[t.dim() for t in self.tensors])
+        return dict(
+            self.constants,
+            input_tensor_types=[_dtypes.onnx_type(t.dtype) for t in self.tensors],
+            input_tensor_ranks=[t.dim() for t in self.tensors],
+        )
 
     def constants_key(self) -> tuple:
         """The constants (objects by what they are, not their identity: a callable made anew on
         each call matches)."""
-        frozen = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in self.constants.items()
-                       if k != "input_pointer_scalars")
+        frozen = tuple(
+            (k, tuple(v) if isinstance(v, list) else v)
+            for k, v in self.constants.items()
+            if k != "input_pointer_scalars"
+        )
         return frozen, tuple(self.object_kinds)
 
     def key(self, shapes: list) -> tuple:
@@ -164,8 +173,11 @@ def _held_tensor(obj, depth: int = 0) -> str | None:
     elif isinstance(obj, functools.partial):
         parts = [obj.func, *obj.args, *obj.keywords.values()]
     elif isinstance(obj, types.FunctionType):
-        parts = [_cell_value(c) for c in obj.__closure__ or ()] + list(obj.__defaults__ or ()) + list(
-            (obj.__kwdefaults__ or {}).values())
+        parts = (
+            [_cell_value(c) for c in obj.__closure__ or ()]
+            + list(obj.__defaults__ or ())
+            + list((obj.__kwdefaults__ or {}).values())
+        )
     else:
         return None
     return next((h for h in (_held_tensor(p, depth + 1) for p in parts) if h), None)
@@ -184,8 +196,13 @@ def _kind(obj, depth: int = 0):
     if isinstance(obj, dict):
         return dict, tuple((k, _kind(v, depth + 1)) for k, v in obj.items())
     if isinstance(obj, types.FunctionType):
-        return (types.FunctionType, obj.__code__, tuple(_kind(_cell_value(c), depth + 1) for c in obj.__closure__ or ()),
-                _kind(obj.__defaults__, depth + 1), _kind(obj.__kwdefaults__, depth + 1))
+        return (
+            types.FunctionType,
+            obj.__code__,
+            tuple(_kind(_cell_value(c), depth + 1) for c in obj.__closure__ or ()),
+            _kind(obj.__defaults__, depth + 1),
+            _kind(obj.__kwdefaults__, depth + 1),
+        )
     if isinstance(obj, types.MethodType):
         return types.MethodType, obj.__func__, id(obj.__self__)
     if isinstance(obj, functools.partial):
@@ -203,8 +220,11 @@ def _cell_value(cell):
 def emit_python_op(inputs: list, attrs: dict, dtypes: list, shapes: list) -> list:
     """In a torch.export trace: a PythonOp node with these attributes, whose outputs after the
     context id have `dtypes` and `shapes`; returns its outputs, the context id first."""
-    return list(torch.onnx.ops.symbolic_multi_out(f"{DOMAIN}::PythonOp", list(inputs), attrs,
-                                                  dtypes=[torch.int64, *dtypes], shapes=[[], *shapes], version=1))
+    return list(
+        torch.onnx.ops.symbolic_multi_out(
+            f"{DOMAIN}::PythonOp", list(inputs), attrs, dtypes=[torch.int64, *dtypes], shapes=[[], *shapes], version=1
+        )
+    )
 
 
 def name_nodes(graph: onnx.GraphProto) -> None:
@@ -223,7 +243,9 @@ def rename_values(graph: onnx.GraphProto, input_names=None, output_names=None) -
     for what, names, values in (("input", inputs, graph.input), ("output", outputs, graph.output)):
         if len(names) > len(values):
             raise ValueError(f"{len(names)} {what}_names for a graph of {len(values)} {what}s")
-    if len(set(inputs + outputs)) < len(inputs + outputs) or not all(isinstance(n, str) and n for n in inputs + outputs):
+    if len(set(inputs + outputs)) < len(inputs + outputs) or not all(
+        isinstance(n, str) and n for n in inputs + outputs
+    ):
         raise ValueError(f"input_names and output_names must be distinct non-empty strings: {inputs + outputs}")
     taken = {v for node in graph.node for v in (*node.input, *node.output)} | {i.name for i in graph.initializer}
     taken |= {v.name for v in (*graph.input, *graph.output)}
@@ -239,7 +261,7 @@ def rename_values(graph: onnx.GraphProto, input_names=None, output_names=None) -
         old = renamed.get(value.name, value.name)
         if old == name:
             continue
-        if old in made_by and old not in seen and old not in {o.name for o in graph.output[len(outputs):]}:
+        if old in made_by and old not in seen and old not in {o.name for o in graph.output[len(outputs) :]}:
             node = made_by[old]
             node.output[list(node.output).index(old)] = name
             _renamed_reads(graph, {old: name})
@@ -260,7 +282,7 @@ def _renamed_reads(graph: onnx.GraphProto, renamed: dict) -> None:
         for i, name in enumerate(node.input):
             node.input[i] = renamed.get(name, name)
         for a in node.attribute:
-            for sub in ([a.g] if a.HasField("g") else list(a.graphs)):
+            for sub in [a.g] if a.HasField("g") else list(a.graphs):
                 _renamed_reads(sub, renamed)
 
 
@@ -270,8 +292,12 @@ def unname_unread_context_ids(graph: onnx.GraphProto) -> None:
     and writes no tensor for it at each call."""
     read = set(names_read(graph)) | {o.name for o in graph.output}
     for node in graph.node:
-        if (node.domain == DOMAIN and node.op_type == "PythonOp" and node.output[0] not in read
-                and not any(a.name == "training_mode" and a.i for a in node.attribute)):
+        if (
+            node.domain == DOMAIN
+            and node.op_type == "PythonOp"
+            and node.output[0] not in read
+            and not any(a.name == "training_mode" and a.i for a in node.attribute)
+        ):
             node.output[0] = ""
 
 

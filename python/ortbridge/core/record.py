@@ -8,18 +8,27 @@ import contextlib
 import onnx
 import torch
 
-from .. import _dtypes, registry
-from .. import _torch_private
+from .. import _dtypes, _torch_private, registry
 from .._torch_private import CUSTOM_OP_AUTOGRAD_MODULE, DYNAMO_FUNCTION_MODULE, pytree, saved_tensors_hooks_enabled
 from .functions import ExportError, bind
 from .interception import intercepted
 from .nodes import DOMAIN, Arguments
 
+
 class Call:
     """One recorded top-level call of an exported Function."""
 
-    def __init__(self, func: type, arguments: Arguments, args: tuple, result, training: bool, updated: list,
-                 saved: list = (), writes: dict | None = None):
+    def __init__(
+        self,
+        func: type,
+        arguments: Arguments,
+        args: tuple,
+        result,
+        training: bool,
+        updated: list,
+        saved: list = (),
+        writes: dict | None = None,
+    ):
         """`arguments` were taken before forward ran (forward may change a list or dict it got);
         `saved`: the tensor inputs forward saved for backward (or a view of); `writes`: {argument
         position: its content after forward} of each list or dict argument forward changed."""
@@ -36,13 +45,19 @@ class Call:
         outputs = result if self.returns_tuple else (result,)
         for i, o in enumerate(outputs):
             if not isinstance(o, torch.Tensor):
-                raise ExportError(f"{name}.forward output {i} is {type(o).__name__}; a PythonOp output must be a "
-                                  "tensor. Return tensors only (keep other values on ctx or outside the Function).")
+                raise ExportError(
+                    f"{name}.forward output {i} is {type(o).__name__}; a PythonOp output must be a "
+                    "tensor. Return tensors only (keep other values on ctx or outside the Function)."
+                )
         self.output_dtypes = [o.dtype for o in outputs]
         self.differentiable = [o.requires_grad for o in outputs]  # (False for every output without autograd)
         self.output_shapes = [tuple(o.shape) for o in outputs]
-        self.attrs = dict(arguments.attrs, output_tensor_types=[_dtypes.onnx_type(d) for d in self.output_dtypes],
-                          output_tensor_ranks=[len(s) for s in self.output_shapes], training_mode=int(training))
+        self.attrs = dict(
+            arguments.attrs,
+            output_tensor_types=[_dtypes.onnx_type(d) for d in self.output_dtypes],
+            output_tensor_ranks=[len(s) for s in self.output_shapes],
+            training_mode=int(training),
+        )
         if training:
             self.attrs["input_requires_grads"] = [int(isinstance(a, torch.Tensor) and a.requires_grad) for a in args]
         # An output that is a tensor input forward updated (ctx.mark_dirty) is that input in place.
@@ -51,9 +66,11 @@ class Call:
         self.in_place = {j: i for j, i in enumerate(reuse) if i >= 0}  # output -> tensor input
         not_returned = sorted(set(updated) - set(self.in_place.values()))
         if not_returned:
-            raise ExportError(f"{name}.forward updated its tensor input {not_returned[0]} in place without "
-                              "returning it; in a graph no other node would see the change. Return that input (with "
-                              "ctx.mark_dirty), or update a copy.")
+            raise ExportError(
+                f"{name}.forward updated its tensor input {not_returned[0]} in place without "
+                "returning it; in a graph no other node would see the change. Return that input (with "
+                "ctx.mark_dirty), or update a copy."
+            )
         if self.in_place:
             self.attrs["tensor_reuse_map"] = [-1, *reuse]
 
@@ -96,8 +113,10 @@ class Call:
             shapes, _ = infer(node, [list(s) for s in traced_inputs], self.attrs.get("input_tensor_types", []))
             shapes = [list(s) for s in shapes]
             if [len(s) for s in shapes] != [len(s) for s in self.output_shapes]:
-                raise ExportError(f"{self.name}.infer_shape returned shapes of ranks {[len(s) for s in shapes]}, "
-                                  f"but forward returned ranks {[len(s) for s in self.output_shapes]}")
+                raise ExportError(
+                    f"{self.name}.infer_shape returned shapes of ranks {[len(s) for s in shapes]}, "
+                    f"but forward returned ranks {[len(s) for s in self.output_shapes]}"
+                )
             return shapes
         symbols = {}
         for eager, traced in zip(self.input_shapes, traced_inputs):
@@ -136,9 +155,11 @@ class CallTable:
         key = (func, arguments.key(traced))
         recorded = self.calls.get(key)
         if recorded is None:
-            raise ExportError(f"{arguments.constants['func_name']} was called during tracing with arguments it was "
-                              f"not called with in the eager run of the example inputs: {self._difference(key)}. The "
-                              "model must call its Functions the same way on every run with these inputs.")
+            raise ExportError(
+                f"{arguments.constants['func_name']} was called during tracing with arguments it was "
+                f"not called with in the eager run of the example inputs: {self._difference(key)}. The "
+                "model must call its Functions the same way on every run with these inputs."
+            )
         self._matched.add(key)
         requiring_grad = tuple(t.requires_grad for t in arguments.tensors)
         call = recorded.get(requiring_grad) or next(iter(recorded.values()))
@@ -155,10 +176,15 @@ class CallTable:
             if (name, value) != (eager_name, eager_value):
                 return f"attribute {name} is {value!r} here, {eager_value!r} in the eager run"
         if objects != eager_objects:
-            position = next(a[0] for a, b in zip(objects, eager_objects) if a != b) if len(objects) == len(
-                eager_objects) else "?"
-            return (f"argument {position} is another object than in the eager run (a function with other code or "
-                    "closure values, a method of another object, or another object)")
+            position = (
+                next(a[0] for a, b in zip(objects, eager_objects) if a != b)
+                if len(objects) == len(eager_objects)
+                else "?"
+            )
+            return (
+                f"argument {position} is another object than in the eager run (a function with other code or "
+                "closure values, a method of another object, or another object)"
+            )
         if dtypes != eager_dtypes:
             return f"tensor input dtypes are {list(dtypes)} here, {list(eager_dtypes)} in the eager run"
         if shapes != eager_shapes:
@@ -168,12 +194,20 @@ class CallTable:
     def require_all_reached(self, tracer: str) -> None:
         """Refuses a trace that reached no call of some recorded Function (apply was not
         intercepted, or the trace took another path): it would have been inlined silently."""
-        missed = sorted({call.name for key, recorded in self.calls.items() if key not in self._matched
-                         for call in recorded.values()})
+        missed = sorted(
+            {
+                call.name
+                for key, recorded in self.calls.items()
+                if key not in self._matched
+                for call in recorded.values()
+            }
+        )
         if missed:
-            raise ExportError(f"the eager run called {', '.join(missed)}, but {tracer} never reached its apply, so it "
-                              "cannot be a PythonOp. Call the Function through its apply (Fn.apply, a stored Fn.apply, "
-                              "functools.partial of it), the same way on every run with these inputs.")
+            raise ExportError(
+                f"the eager run called {', '.join(missed)}, but {tracer} never reached its apply, so it "
+                "cannot be a PythonOp. Call the Function through its apply (Fn.apply, a stored Fn.apply, "
+                "functools.partial of it), the same way on every run with these inputs."
+            )
 
 
 # Functions that torch makes, which are not the model's: those of a graph from dynamo, which inlined
@@ -220,17 +254,29 @@ class Recorder:
         arguments it updates in place (a dynamo graph's buffers are arguments) and the random
         number generator are as they were, so the export sees the model as it was."""
         grad = torch.enable_grad() if self.training else torch.no_grad()
-        arguments = [x for x in pytree.tree_leaves((args, kwargs))
-                     if isinstance(x, torch.Tensor) and not x.requires_grad and not x.is_inference()]
+        arguments = [
+            x
+            for x in pytree.tree_leaves((args, kwargs))
+            if isinstance(x, torch.Tensor) and not x.requires_grad and not x.is_inference()
+        ]
         states = {id(t): (t, t.detach().clone()) for t in (*model.buffers(), *arguments)}
         # (the CUDA devices' generators too, where the model runs there)
-        cuda = sorted({t.device.index or 0 for t in (*model.parameters(), *model.buffers(), *arguments)
-                       if t.device.type == "cuda"})
+        cuda = sorted(
+            {
+                t.device.index or 0
+                for t in (*model.parameters(), *model.buffers(), *arguments)
+                if t.device.type == "cuda"
+            }
+        )
         try:  # (outside the caller's saved-tensor hooks, as torch.utils.checkpoint's: this run's are not theirs)
             # (compiling state after intercepted: that holds a lock, and the state is the process's)
-            with torch.random.fork_rng(devices=cuda), grad, intercepted(None, self._apply), \
-                    _torch_private.compiling_state_context() if self.compiling else contextlib.nullcontext(), \
-                    _saved_tensor_hooks(_detached):
+            with (
+                torch.random.fork_rng(devices=cuda),
+                grad,
+                intercepted(None, self._apply),
+                _torch_private.compiling_state_context() if self.compiling else contextlib.nullcontext(),
+                _saved_tensor_hooks(_detached),
+            ):
                 model(*args, **kwargs)
         finally:  # (also when a call cannot be recorded)
             with torch.no_grad():
@@ -258,7 +304,7 @@ class Recorder:
         finally:
             self._depth -= 1
         updated = [i for i, (t, v) in enumerate(zip(tensors, versions)) if _version(t) != v]
-        for o in (result if isinstance(result, tuple) else (result,)):  # (kept as ctx.x = x)
+        for o in result if isinstance(result, tuple) else (result,):  # (kept as ctx.x = x)
             if getattr(o, "grad_fn", None) is not None:
                 saved.update(_storage_address(v) for v in vars(o.grad_fn).values() if isinstance(v, torch.Tensor))
                 break
@@ -267,8 +313,10 @@ class Recorder:
         writes = {i: _copy(args[i]) for i, before in containers.items() if not _same(_contents(args[i]), before)}
         for i, content in writes.items():
             if any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(content)):
-                raise ExportError(f"{name}.forward put a tensor into its argument {i} (a {type(content).__name__}); "
-                                  "a graph cannot give it to the caller. Return it as an output instead.")
+                raise ExportError(
+                    f"{name}.forward put a tensor into its argument {i} (a {type(content).__name__}); "
+                    "a graph cannot give it to the caller. Return it as an output instead."
+                )
         self.calls.append(Call(func, arguments, args, result, self.training, updated, saved_inputs, writes))
         return result
 
@@ -289,6 +337,7 @@ def _copy(container):
 
 def _saved_storages(addresses: set):
     """Saved-tensor hooks that note the storage address of each tensor saved for backward."""
+
     def pack(t: torch.Tensor) -> torch.Tensor:
         addresses.add(_storage_address(t))
         return _detached(t)

@@ -13,16 +13,28 @@ import os
 import onnx
 import torch
 
-from . import dynamo as _dynamo, torchscript as _torchscript
 from ..core.functions import ExportError
 from ..core.nodes import DOMAIN, name_nodes, quiet_exporter, rename_values, unname_unread_context_ids
 from ..core.record import Recorder
+from . import dynamo as _dynamo
+from . import torchscript as _torchscript
 
 
-def export(model: torch.nn.Module, args, f=None, *, kwargs: dict | None = None, dynamic_shapes=None,
-           dynamo: bool = True, training: bool = False, all_functions: bool = False,
-           allow_object_references: bool = False, opset_version: int | None = None,
-           input_names: list[str] | None = None, output_names: list[str] | None = None) -> onnx.ModelProto:
+def export(
+    model: torch.nn.Module,
+    args,
+    f=None,
+    *,
+    kwargs: dict | None = None,
+    dynamic_shapes=None,
+    dynamo: bool = True,
+    training: bool = False,
+    all_functions: bool = False,
+    allow_object_references: bool = False,
+    opset_version: int | None = None,
+    input_names: list[str] | None = None,
+    output_names: list[str] | None = None,
+) -> onnx.ModelProto:
     """Export `model(*args, **kwargs)` to ONNX; save it to `f` (a path or binary file) if given,
     and return it.
 
@@ -55,13 +67,16 @@ def export(model: torch.nn.Module, args, f=None, *, kwargs: dict | None = None, 
                 if dynamo:
                     proto = _dynamo.export(model, args, kwargs, dynamic_shapes, recorder.calls, opset_version)
                 else:
-                    proto = _torchscript.export(model, args, kwargs, dynamic_shapes, recorder.calls, opset_version,
-                                                training)
+                    proto = _torchscript.export(
+                        model, args, kwargs, dynamic_shapes, recorder.calls, opset_version, training
+                    )
         except Exception as e:
             if recorder.traced_through and not isinstance(e, ExportError):
-                e.add_note(f"ortbridge: {exporter} traced through these Functions, which are not registered: "
-                           f"{', '.join(sorted(recorder.traced_through))}. If one of them cannot be traced, register "
-                           "it with ortbridge.register (or pass all_functions=True) to export it as a PythonOp.")
+                e.add_note(
+                    f"ortbridge: {exporter} traced through these Functions, which are not registered: "
+                    f"{', '.join(sorted(recorder.traced_through))}. If one of them cannot be traced, register "
+                    "it with ortbridge.register (or pass all_functions=True) to export it as a PythonOp."
+                )
             raise
     except BaseException:
         recorder.unregister_new()
@@ -87,7 +102,8 @@ def _refuse_object_references(calls) -> None:
             f"argument {position} of {name}.apply is a {type_name} object, which the model can only hold by "
             "reference, valid in this process alone, so the saved file would not run elsewhere. Pass a plain "
             "value instead (None, bool, int, float, str, torch.dtype, torch.device, or lists, tuples and "
-            "str-keyed dicts of those), or allow_object_references=True to save it anyway.")
+            "str-keyed dicts of those), or allow_object_references=True to save it anyway."
+        )
 
 
 def _expose_contexts(graph: onnx.GraphProto) -> None:

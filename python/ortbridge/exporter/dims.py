@@ -22,6 +22,7 @@ def for_torch_export(dynamic_shapes):
         if isinstance(spec, (list, tuple)):
             return type(spec)(convert(value) for value in spec)
         return spec
+
     return convert(dynamic_shapes)
 
 
@@ -37,8 +38,11 @@ def names(model, args: tuple, kwargs: dict, dynamic_shapes) -> dict:
         if not isinstance(bound.get(param), torch.Tensor):
             continue
         dims = spec.items() if isinstance(spec, dict) else enumerate(spec or ())
-        named = {int(d): dim if isinstance(dim, str) else getattr(dim, "__name__", f"{param}_dim_{d}")
-                 for d, dim in dims if dim is not None}
+        named = {
+            int(d): dim if isinstance(dim, str) else getattr(dim, "__name__", f"{param}_dim_{d}")
+            for d, dim in dims
+            if dim is not None
+        }
         if named:
             result[param] = named
     return result

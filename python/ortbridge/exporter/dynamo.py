@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from . import dims
 from .._torch_private import fx_config
 from ..core import fallback
 from ..core.interception import intercepted
 from ..core.nodes import emit_python_op
 from ..core.record import Call, CallTable
+from . import dims
 
 
 class _Emitter:
@@ -27,8 +27,9 @@ class _Emitter:
         arguments, call = self.table.match(func, args, kwargs)
         traced = [list(t.shape) for t in arguments.tensors]
         self.emitted += 1
-        outputs = emit_python_op(arguments.tensors, call.node_attrs(self.emitted - 1), call.output_dtypes,
-                                 call.output_shapes_for(traced))
+        outputs = emit_python_op(
+            arguments.tensors, call.node_attrs(self.emitted - 1), call.output_dtypes, call.output_shapes_for(traced)
+        )
         return call.returned(arguments.tensors, outputs[1:])  # output 0 is the context id
 
 
@@ -37,8 +38,7 @@ def export(model, args: tuple, kwargs: dict, dynamic_shapes, calls: list[Call], 
     # capture in strict mode, where dynamo inlines Function.apply without calling ours.
     # Like torch.onnx.export: a dynamic dim may have an example size of 0 or 1.
     emitter = _Emitter(calls)
-    with intercepted({call.func for call in calls}, emitter), \
-            fx_config.patch(backed_size_oblivious=True):
+    with intercepted({call.func for call in calls}, emitter), fx_config.patch(backed_size_oblivious=True):
         shapes = dims.for_torch_export(dynamic_shapes)
         program = torch.export.export(model, args, kwargs=kwargs, strict=False, dynamic_shapes=shapes)
         emitter.table.require_all_reached("torch.export's trace")

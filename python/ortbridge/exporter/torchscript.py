@@ -15,13 +15,13 @@ import warnings
 import onnx
 import torch
 
-from . import dims
 from .. import registry
 from .._torch_private import TensorType, Value, get_tracing_state, set_tracing_state
 from ..core.functions import ExportError
 from ..core.interception import class_attributes_set
 from ..core.nodes import DOMAIN, Arguments
 from ..core.record import Call
+from . import dims
 
 
 def _onnx_attribute_kwargs(attrs: dict) -> dict:
@@ -51,11 +51,17 @@ class _Symbolics:
         call = self.calls[self.done] if self.done < len(self.calls) else None
         arguments = Arguments(registry.registered_name(func), args, tensor_type=Value, pin=False)
         if call is None or call.func is not func or arguments.constants_key() != call.key[:2]:
-            raise ExportError(f"the TorchScript trace called {arguments.constants['func_name']} where the eager run "
-                              "of the example inputs did not, or with other constants; the model must call its "
-                              "Functions the same way on every run with these inputs.")
-        outputs = g.op(f"{DOMAIN}::PythonOp", *arguments.tensors, outputs=1 + len(call.output_dtypes),
-                       **_onnx_attribute_kwargs(call.node_attrs(self.done)))
+            raise ExportError(
+                f"the TorchScript trace called {arguments.constants['func_name']} where the eager run "
+                "of the example inputs did not, or with other constants; the model must call its "
+                "Functions the same way on every run with these inputs."
+            )
+        outputs = g.op(
+            f"{DOMAIN}::PythonOp",
+            *arguments.tensors,
+            outputs=1 + len(call.output_dtypes),
+            **_onnx_attribute_kwargs(call.node_attrs(self.done)),
+        )
         self.done += 1
         outputs[0].setType(TensorType.create_from_tensor(torch.zeros((), dtype=torch.int64)))
         traced = [v.type().varyingSizes() for v in arguments.tensors]  # None: a dim dynamic_axes made dynamic
@@ -68,6 +74,7 @@ def _untraced(forward):
     """forward with the tracer off: the tracer would record its body into the prim::PythonOp
     node, which the symbolic discards anyway, and some bodies break torch's graph passes. Each
     output leaves through one traced op (torch's apply must find a trace of each output)."""
+
     @functools.wraps(forward)  # keeps its signature, which torch's apply binds arguments to
     def run(*args, **kwargs):
         versions = {id(a): a._version for a in args if isinstance(a, torch.Tensor)}
@@ -84,7 +91,9 @@ def _untraced(forward):
             if id(o) in versions:  # an input updated in place (mark_dirty) stays that input
                 return o.copy_(o.detach())
             return o.clone()
+
         return tuple(map(traced, result)) if isinstance(result, tuple) else traced(result)
+
     return staticmethod(run)
 
 
@@ -101,8 +110,10 @@ def _dynamic_axes(model, args: tuple, kwargs: dict, dynamic_shapes):
         return None, None
     bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
     if not all(isinstance(v, torch.Tensor) for v in bound.values()):
-        raise ExportError("dynamic_shapes with dynamo=False needs a model whose forward takes tensors only; "
-                          "use the default dynamo=True exporter.")
+        raise ExportError(
+            "dynamic_shapes with dynamo=False needs a model whose forward takes tensors only; "
+            "use the default dynamo=True exporter."
+        )
     return list(bound), dims.names(model, args, kwargs, dynamic_shapes)
 
 
@@ -113,10 +124,22 @@ def export(model, args: tuple, kwargs: dict, dynamic_shapes, calls: list[Call], 
     mode = torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL
     with _opaque_functions(symbolics), warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # of this path, which the user chose
-        torch.onnx.export(model, args, buffer, kwargs=kwargs, dynamo=False, opset_version=opset_version,
-                          input_names=input_names, dynamic_axes=dynamic_axes, custom_opsets={DOMAIN: 1},
-                          training=mode, do_constant_folding=not training)
+        torch.onnx.export(
+            model,
+            args,
+            buffer,
+            kwargs=kwargs,
+            dynamo=False,
+            opset_version=opset_version,
+            input_names=input_names,
+            dynamic_axes=dynamic_axes,
+            custom_opsets={DOMAIN: 1},
+            training=mode,
+            do_constant_folding=not training,
+        )
     if symbolics.done != len(calls):
-        raise ExportError(f"the TorchScript trace made {symbolics.done} of the {len(calls)} Function calls of the "
-                          "eager run; the model must call its Functions the same way on every run.")
+        raise ExportError(
+            f"the TorchScript trace made {symbolics.done} of the {len(calls)} Function calls of the "
+            "eager run; the model must call its Functions the same way on every run."
+        )
     return onnx.load_from_string(buffer.getvalue())

@@ -22,14 +22,28 @@ import time
 import traceback
 
 import torch
-from torch.fx.experimental.symbolic_shapes import (DimDynamic, GuardOnDataDependentSymNode, ShapeEnv,
-                                                   StatelessSymbolicContext)
+from torch.fx.experimental.symbolic_shapes import (
+    DimDynamic,
+    GuardOnDataDependentSymNode,
+    ShapeEnv,
+    StatelessSymbolicContext,
+)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .._torch_private import (DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode,
-                              TracingContext, aot_module_simplified, capture_config, compiling_state_context,
-                              decomposition_table, get_decompositions, pytree, tracing)
 from .._copying import NotCopyable
+from .._torch_private import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    TracingContext,
+    aot_module_simplified,
+    capture_config,
+    compiling_state_context,
+    decomposition_table,
+    get_decompositions,
+    pytree,
+    tracing,
+)
 from ..core.interception import intercepted
 from ..core.record import CallTable, Recorder
 from . import ops
@@ -49,20 +63,21 @@ log = logging.getLogger("ortbridge")
 # attention: on the CPU its fused kernel runs in PyTorch, a fallback node each way; elsewhere the
 # capture asks for the math kernel, as the fused ones' outputs saved for backward got other
 # shapes than torch's in ONNX.)
-_DECOMPOSITIONS = get_decompositions([aten._native_batch_norm_legit, aten.native_batch_norm,
-                                                    aten.nll_loss_forward])
+_DECOMPOSITIONS = get_decompositions([aten._native_batch_norm_legit, aten.native_batch_norm, aten.nll_loss_forward])
 _batch_norm_backward = decomposition_table[aten.native_batch_norm_backward.default]
 
 
-def _eval_batch_norm_backward(grad, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps,
-                              output_mask):
+def _eval_batch_norm_backward(
+    grad, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask
+):
     """Batch norm's backward from batch statistics stays one operator (a fallback node); from
     running statistics (eval mode) it is decomposed, reading them rather than the empty batch
     statistics that the exporter writes with other shapes."""
     if train:
         return NotImplemented
-    return _batch_norm_backward(grad, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps,
-                                output_mask)
+    return _batch_norm_backward(
+        grad, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask
+    )
 
 
 _DECOMPOSITIONS[aten.native_batch_norm_backward.default] = _eval_batch_norm_backward
@@ -89,20 +104,26 @@ def _in_float32(op, otherwise=None):
     would give), torch's exporter too (float32 statistics of LayerNormalization), and ONNX's
     norms take one type for input and weights. `otherwise`: what runs any other call (a
     decomposition of torch's; None: the operator). (Their backward stays torch's own.)"""
+
     def norm(x, *args):
         if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
             return NotImplemented if otherwise is None else otherwise(x, *args)
         params = [a for a in args if isinstance(a, torch.Tensor)]
         stats = torch.float32 if any(p.dtype != x.dtype for p in params) else x.dtype
-        out, mean, rstd, *running = (otherwise or op)(x.float(), *(a.float() if isinstance(a, torch.Tensor) else a
-                                                                   for a in args))
+        out, mean, rstd, *running = (otherwise or op)(
+            x.float(), *(a.float() if isinstance(a, torch.Tensor) else a for a in args)
+        )
         return out.to(x.dtype), mean.to(stats), rstd.to(stats), *(r.to(p.dtype) for r, p in zip(running, params[-2:]))
 
     return norm
 
 
-for _op in (aten.native_layer_norm.default, aten.native_group_norm.default,
-            aten._native_batch_norm_legit_functional.default, aten._native_batch_norm_legit_no_training.default):
+for _op in (
+    aten.native_layer_norm.default,
+    aten.native_group_norm.default,
+    aten._native_batch_norm_legit_functional.default,
+    aten._native_batch_norm_legit_no_training.default,
+):
     _DECOMPOSITIONS[_op] = _in_float32(_op)
 _no_stats = aten._native_batch_norm_legit.no_stats  # (instance norm, batch norm without running statistics)
 _DECOMPOSITIONS[_no_stats] = _in_float32(_no_stats, _DECOMPOSITIONS[_no_stats])
@@ -113,8 +134,9 @@ def _group_norm_backward_in_float32(grad, x, mean, rstd, weight, *args):
     beside float32 weights, its CPU kernel the input's type."""
     if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
         return NotImplemented
-    grads = aten.native_group_norm_backward.default(grad.float(), x.float(), mean.float(), rstd.float(),
-                                                    None if weight is None else weight.float(), *args)
+    grads = aten.native_group_norm_backward.default(
+        grad.float(), x.float(), mean.float(), rstd.float(), None if weight is None else weight.float(), *args
+    )
     dtypes = (x.dtype, *[torch.float32 if weight is None else weight.dtype] * 2)
     return tuple(None if g is None else g.to(dtype) for g, dtype in zip(grads, dtypes))
 
@@ -128,8 +150,14 @@ def _layer_norm_backward_in_float32(grad, x, normalized_shape, mean, rstd, weigh
     if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
         return NotImplemented
     grads = aten.native_layer_norm_backward.default(
-        grad.float(), x.float(), normalized_shape, mean.float(), rstd.float(),
-        *(None if w is None else w.float() for w in (weight, bias)), output_mask)
+        grad.float(),
+        x.float(),
+        normalized_shape,
+        mean.float(),
+        rstd.float(),
+        *(None if w is None else w.float() for w in (weight, bias)),
+        output_mask,
+    )
     return tuple(None if g is None else g.to(like.dtype) for g, like in zip(grads, (x, weight, bias)))
 
 
@@ -181,8 +209,12 @@ def _tiling_slots(leaves: list, shape) -> tuple[int, list] | None:
     of the sum's shape, and their inputs tile that dim; otherwise None."""
     dims, spans = set(), []
     for leaf in leaves:
-        if (leaf.target is not aten.constant_pad_nd.default or leaf.args[2:] not in ((), (0,), (0.0,))
-                or leaf.kwargs or leaf.meta["val"].shape != shape):
+        if (
+            leaf.target is not aten.constant_pad_nd.default
+            or leaf.args[2:] not in ((), (0,), (0.0,))
+            or leaf.kwargs
+            or leaf.meta["val"].shape != shape
+        ):
             return None
         pad, size = leaf.args[1], leaf.args[0].meta["val"].shape
         padded = {len(size) - 1 - k // 2 for k, p in enumerate(pad) if p != 0}
@@ -209,15 +241,21 @@ def flatten(tree) -> tuple[list, object]:
     (not a leaf: its tensors would be the trace's, or constants of the graph). (transformers
     registers its ModelOutputs itself, but not those it first imports while torch compiles.)"""
     leaves, spec = pytree.tree_flatten(tree)
-    unknown = {type(x) for x in leaves if dataclasses.is_dataclass(x) and not isinstance(x, type)
-               and type(x) not in pytree.SUPPORTED_NODES}
+    unknown = {
+        type(x)
+        for x in leaves
+        if dataclasses.is_dataclass(x) and not isinstance(x, type) and type(x) not in pytree.SUPPORTED_NODES
+    }
     if not unknown:
         return leaves, spec
     for cls in unknown:
         names = tuple(f.name for f in dataclasses.fields(cls))
         try:
-            pytree.register_pytree_node(cls, lambda x, names=names: ([getattr(x, n) for n in names], names),
-                                        functools.partial(_dataclass_of, cls))
+            pytree.register_pytree_node(
+                cls,
+                lambda x, names=names: ([getattr(x, n) for n in names], names),
+                functools.partial(_dataclass_of, cls),
+            )
         except ValueError:
             if cls not in pytree.SUPPORTED_NODES:
                 raise
@@ -296,8 +334,14 @@ def _fakes(tensors: list, dynamic: bool) -> tuple[list, FakeTensorMode, ShapeEnv
     mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
     if not dynamic:
         return [mode.from_tensor(t) for t in tensors], mode, None
-    return [mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(
-        dynamic_sizes=[DimDynamic.DYNAMIC] * t.dim())) for t in tensors], mode, shape_env
+    return (
+        [
+            mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * t.dim()))
+            for t in tensors
+        ],
+        mode,
+        shape_env,
+    )
 
 
 _DATA_DEPENDENT = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
@@ -315,7 +359,8 @@ def _data_dependent_error(error: Exception) -> CaptureError:
         f"the capture traces the module with tensors whose values are unknown, and {what}{where} needs a "
         f"value (first line of torch's error: {str(error).strip().splitlines()[0]}). Take that value from "
         "outside the model, pass it as a non-tensor argument, or move the code into a torch.autograd.Function, "
-        "which runs in PyTorch.")
+        "which runs in PyTorch."
+    )
 
 
 class Capture(NotCopyable):
@@ -323,8 +368,16 @@ class Capture(NotCopyable):
     With `dynamic`, tensor sizes are symbols: the capture serves every call its guards accept
     (the relations between sizes that the trace relied on)."""
 
-    def __init__(self, module: torch.nn.Module, args: tuple, kwargs: dict, all_functions: bool, dynamic: bool,
-                 options: dict | None = None, name: str = "graph"):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        args: tuple,
+        kwargs: dict,
+        all_functions: bool,
+        dynamic: bool,
+        options: dict | None = None,
+        name: str = "graph",
+    ):
         self.options = options or {}
         self.name = name
         leaves, spec = flatten((args, kwargs))
@@ -353,14 +406,23 @@ class Capture(NotCopyable):
             on_cpu = all(t.device.type == "cpu" for t in (*tensors, *module.parameters(), *module.buffers()))
             fused = on_cpu and torch.backends.cuda.flash_sdp_enabled()  # (unless the caller's sdpa_kernel excludes it)
             attention = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH] if fused else [SDPBackend.MATH]
-            with intercepted(table.functions, _python_op_apply(table)), sdpa_kernel(attention), \
-                    compiling_state_context(), tracing(context), capture_config():
+            with (
+                intercepted(table.functions, _python_op_apply(table)),
+                sdpa_kernel(attention),
+                compiling_state_context(),
+                tracing(context),
+                capture_config(),
+            ):
                 try:
-                    self.compiled = aot_module_simplified(self.flat, fakes, fw_compiler=self._compiler("forward"),
-                                                          bw_compiler=self._compiler("backward"),
-                                                          inference_compiler=self._compiler("inference"),
-                                                          decompositions=_DECOMPOSITIONS,
-                                                          partition_fn=partition)
+                    self.compiled = aot_module_simplified(
+                        self.flat,
+                        fakes,
+                        fw_compiler=self._compiler("forward"),
+                        bw_compiler=self._compiler("backward"),
+                        inference_compiler=self._compiler("inference"),
+                        decompositions=_DECOMPOSITIONS,
+                        partition_fn=partition,
+                    )
                 except _DATA_DEPENDENT as e:
                     raise _data_dependent_error(e) from e
             table.require_all_reached("AOTAutograd's trace of the module")
@@ -393,8 +455,13 @@ class Capture(NotCopyable):
             _tiled_pads_as_cat(gm)
             with tracing(None):  # (the export traces in a context of its own)
                 self.sessions.append(self._session(gm, kind, save_as))
-            log.info("%s: %s graph in ONNX Runtime after %.2f s%s", self.name, kind, time.perf_counter() - started,
-                     f", saved to {save_as}" if save_as else "")
+            log.info(
+                "%s: %s graph in ONNX Runtime after %.2f s%s",
+                self.name,
+                kind,
+                time.perf_counter() - started,
+                f", saved to {save_as}" if save_as else "",
+            )
             return self.sessions[-1]
 
         return compile_graph
@@ -407,8 +474,11 @@ class Capture(NotCopyable):
                 staged = StagedBackward.of(gm, stages or stages_for(gm), options, providers, save_as)
             except Exception as e:  # (the graph in one piece stays right: staging only releases gradients sooner)
                 (log.warning if stages else log.info)(
-                    "%s: the backward graph runs in one piece, not in stages (%s: %s)", self.name, type(e).__name__,
-                    str(e).splitlines()[0] if str(e) else "")
+                    "%s: the backward graph runs in one piece, not in stages (%s: %s)",
+                    self.name,
+                    type(e).__name__,
+                    str(e).splitlines()[0] if str(e) else "",
+                )
                 staged = None
             if staged is not None:
                 log.info("%s: the backward graph runs in %d stages", self.name, staged.count)

@@ -28,8 +28,8 @@ import torch
 from .. import _C, _dtypes, runtime
 from .._copying import NotCopyable
 from .._ort_private import c_device, c_session
-from .._torch_private import FloorDiv, PythonPrinter, storage_users, tensor_use_count, unset_fake_temporarily
 from .._runner import _from_dlpack, _lent_buffers
+from .._torch_private import FloorDiv, PythonPrinter, storage_users, tensor_use_count, unset_fake_temporarily
 from ..core import fallback, kernels
 from ..core.nodes import DOMAIN, emit_python_op, name_nodes, quiet_exporter, unname_unread_context_ids
 from ..core.record import size_hint
@@ -39,8 +39,12 @@ log = logging.getLogger("ortbridge")
 _PYTHON_OP = torch.ops.ortbridge.python_op.default
 _PYTHON_OP_GRAD = torch.ops.ortbridge.python_op_grad.default
 # Views ONNX Runtime makes without a copy (Reshape, Unsqueeze: their output shares the buffer).
-_SAME_BUFFER_VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
-                      torch.ops.aten.reshape.default, torch.ops.aten.unsqueeze.default}
+_SAME_BUFFER_VIEWS = {
+    torch.ops.aten.view.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten.unsqueeze.default,
+}
 
 
 def _forward_node(inputs: list, index: int, training: bool, shapes: list) -> list:
@@ -50,10 +54,16 @@ def _forward_node(inputs: list, index: int, training: bool, shapes: list) -> lis
 
 def _backward_node(context, grads: list, index: int, shapes: list) -> list:
     traced = ops.traced_call(index)
-    return list(torch.onnx.ops.symbolic_multi_out(
-        f"{DOMAIN}::PythonOpGrad", [context, *(g for g in grads if g is not None)],
-        traced.backward_attrs([g is not None for g in grads]),
-        dtypes=[traced.input_dtypes[i] for i in traced.wanted_gradients()], shapes=shapes, version=1))
+    return list(
+        torch.onnx.ops.symbolic_multi_out(
+            f"{DOMAIN}::PythonOpGrad",
+            [context, *(g for g in grads if g is not None)],
+            traced.backward_attrs([g is not None for g in grads]),
+            dtypes=[traced.input_dtypes[i] for i in traced.wanted_gradients()],
+            shapes=shapes,
+            version=1,
+        )
+    )
 
 
 _ARITHMETIC = {sympy.Add: operator.add, sympy.Mul: operator.mul, FloorDiv: operator.floordiv}
@@ -90,12 +100,16 @@ class _Sizes:
             elif type(expr) in _ARITHMETIC:
                 target, args = _ARITHMETIC[type(expr)], tuple(self._expr_in_graph(a) for a in expr.args)
             else:
-                raise NotImplementedError(f"size {expr} is not computed from the dims of graph inputs; capture "
-                                          "with static shapes (dynamic=False)")
+                raise NotImplementedError(
+                    f"size {expr} is not computed from the dims of graph inputs; capture "
+                    "with static shapes (dynamic=False)"
+                )
             with self.graph.inserting_before(self._body):
                 if len(args) > 2:  # n-ary sums and products, two at a time
-                    args = (functools.reduce(lambda a, b: self.graph.call_function(target, (a, b)), args[:-1]),
-                            args[-1])
+                    args = (
+                        functools.reduce(lambda a, b: self.graph.call_function(target, (a, b)), args[:-1]),
+                        args[-1],
+                    )
                 self._nodes[expr] = self.graph.call_function(target, args)
         return self._nodes[expr]
 
@@ -106,8 +120,9 @@ class _Sizes:
         """A function of the graph's inputs giving `sizes` (nested lists of ints and SymInts) as
         ints; None where every size is static."""
         exprs = [[d.node.expr if isinstance(d, torch.SymInt) else d for d in shape] for shape in sizes]
-        symbols = sorted({sym for shape in exprs for d in shape if not isinstance(d, int)
-                          for sym in d.free_symbols}, key=str)
+        symbols = sorted(
+            {sym for shape in exprs for d in shape if not isinstance(d, int) for sym in d.free_symbols}, key=str
+        )
         if not symbols:
             return None
         missing = [s for s in symbols if s not in self.sources]
@@ -211,15 +226,24 @@ def _one_torch_thread():
 def _device_of(values: list) -> torch.device:
     """The one device of a graph's tensor inputs and outputs (nodes), context ids aside: they
     live on the host."""
-    devices = {v.meta["val"].device for v in values if isinstance(v.meta.get("val"), torch.Tensor)
-               and not is_context_id(v) and not _is_context_input(v) and not _is_context_vector_input(v)}
+    devices = {
+        v.meta["val"].device
+        for v in values
+        if isinstance(v.meta.get("val"), torch.Tensor)
+        and not is_context_id(v)
+        and not _is_context_input(v)
+        and not _is_context_vector_input(v)
+    }
     if len(devices) > 1:
-        raise NotImplementedError(f"the graph's tensors are on {' and '.join(sorted(map(str, devices)))}; "
-                                  "ortbridge runs a graph on one device: move the module and its arguments there")
+        raise NotImplementedError(
+            f"the graph's tensors are on {' and '.join(sorted(map(str, devices)))}; "
+            "ortbridge runs a graph on one device: move the module and its arguments there"
+        )
     device = devices.pop() if devices else torch.device("cpu")
     if device.type not in ("cpu", "cuda"):
-        raise NotImplementedError(f"the graph's tensors are on {device}; ortbridge runs graphs on the CPU "
-                                  "and on CUDA devices")
+        raise NotImplementedError(
+            f"the graph's tensors are on {device}; ortbridge runs graphs on the CPU and on CUDA devices"
+        )
     return device
 
 
@@ -240,18 +264,27 @@ def _providers(providers, device: torch.device) -> list:
     if device.type == "cpu":
         return providers or ["CPUExecutionProvider"]
     if "CUDAExecutionProvider" not in ort.get_available_providers():
-        raise RuntimeError(f"the module's tensors are on {device}, but this onnxruntime has no "
-                           "CUDAExecutionProvider: install onnxruntime-gpu (pip install 'ortbridge[gpu]')")
-    ours = {"device_id": str(device.index or 0), "has_user_compute_stream": "1",
-            "user_compute_stream": str(_cuda_stream(device).cuda_stream)}
+        raise RuntimeError(
+            f"the module's tensors are on {device}, but this onnxruntime has no "
+            "CUDAExecutionProvider: install onnxruntime-gpu (pip install 'ortbridge[gpu]')"
+        )
+    ours = {
+        "device_id": str(device.index or 0),
+        "has_user_compute_stream": "1",
+        "user_compute_stream": str(_cuda_stream(device).cuda_stream),
+    }
     given = [(p, {}) if isinstance(p, str) else tuple(p) for p in providers or ["CPUExecutionProvider"]]
     cuda = [(name, {**options, **ours}) for name, options in given if name == "CUDAExecutionProvider"]
     return (cuda or [("CUDAExecutionProvider", ours)]) + [p for p in given if p[0] != "CUDAExecutionProvider"]
 
 
 def is_context_id(node: torch.fx.Node) -> bool:
-    return (node.op == "call_function" and node.target is operator.getitem and node.args[1] == 0
-            and node.args[0].target is _PYTHON_OP)
+    return (
+        node.op == "call_function"
+        and node.target is operator.getitem
+        and node.args[1] == 0
+        and node.args[0].target is _PYTHON_OP
+    )
 
 
 def _is_context_vector(node: torch.fx.Node) -> bool:
@@ -267,8 +300,9 @@ def _is_context_input(node: torch.fx.Node) -> bool:
 def _is_context_vector_input(node: torch.fx.Node) -> bool:
     """Whether a backward graph's input is the vector of context ids: read only by selects of
     one id each, which PythonOpGrads take as their contexts."""
-    return bool(node.users) and all(u.target is torch.ops.aten.select.int and u.args[1] == 0 and _is_context_input(u)
-                                    for u in node.users)
+    return bool(node.users) and all(
+        u.target is torch.ops.aten.select.int and u.args[1] == 0 and _is_context_input(u) for u in node.users
+    )
 
 
 class OnnxGraph(NotCopyable):
@@ -287,14 +321,24 @@ class OnnxGraph(NotCopyable):
         # (rewrites AOTAutograd's graph in place: the new GraphModule shares it)
         self.module = gm = torch.fx.GraphModule(gm, gm.graph)
         graph = gm.graph
-        self.largest_tensor = max((math.prod(size_hint(d) for d in v.shape) for n in graph.nodes
-                                   if isinstance(v := n.meta.get("val"), torch.Tensor)), default=0)
+        self.largest_tensor = max(
+            (
+                math.prod(size_hint(d) for d in v.shape)
+                for n in graph.nodes
+                if isinstance(v := n.meta.get("val"), torch.Tensor)
+            ),
+            default=0,
+        )
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         sizes = _Sizes(graph, placeholders)
         output = graph.output_node()
         # (first, so that they are the first context ids of the run)
-        saved_contexts = [i for r in output.args[0] if r is not None
-                          for i in (r.args[0] if _is_context_vector(r) else [r] if is_context_id(r) else [])]
+        saved_contexts = [
+            i
+            for r in output.args[0]
+            if r is not None
+            for i in (r.args[0] if _is_context_vector(r) else [r] if is_context_id(r) else [])
+        ]
         self.saved_contexts = len(saved_contexts)
         computed: list[torch.fx.Node] = list(saved_contexts)
         size_outputs = []
@@ -339,11 +383,15 @@ class OnnxGraph(NotCopyable):
                         self.lent.append(len(computed))
                         computed.append(saved)
         self.device = _device_of(placeholders + computed)
-        self.context_args = [k for k, p in enumerate(placeholders)  # (before python_op_grad is rewritten)
-                             if _is_context_input(p) or _is_context_vector_input(p)]
+        self.context_args = [
+            k
+            for k, p in enumerate(placeholders)  # (before python_op_grad is rewritten)
+            if _is_context_input(p) or _is_context_vector_input(p)
+        ]
         self.outputs = [(n.meta["val"].dtype, is_context_id(n)) for n in computed]  # (dtype, is a context id)
-        self.output_bytes = [math.prod(size_hint(d) for d in n.meta["val"].shape) * n.meta["val"].dtype.itemsize
-                             for n in computed]  # (at the capture's sizes)
+        self.output_bytes = [
+            math.prod(size_hint(d) for d in n.meta["val"].shape) * n.meta["val"].dtype.itemsize for n in computed
+        ]  # (at the capture's sizes)
         output_shapes = [tuple(n.meta["val"].shape) for n in computed]  # (tuples: compared with torch.Size)
         self.output_shapes = sizes.at_run_time(output_shapes) or (lambda args, shapes=output_shapes: shapes)
         self.size_outputs = sizes.at_run_time([size_outputs]) if size_outputs else None
@@ -355,8 +403,11 @@ class OnnxGraph(NotCopyable):
                 node.target = _backward_node
                 node.args = (*node.args, sizes.shapes_in_graph(node.meta["val"]))
         # Sizes given as inputs are read from the tensors instead: ONNX inputs are tensors.
-        self.tensor_inputs = [k for k, p in enumerate(placeholders)
-                              if isinstance(p.meta["val"], torch.Tensor) and k not in self.context_args]
+        self.tensor_inputs = [
+            k
+            for k, p in enumerate(placeholders)
+            if isinstance(p.meta["val"], torch.Tensor) and k not in self.context_args
+        ]
         for p in placeholders:
             if not isinstance(p.meta["val"], torch.Tensor):
                 p.replace_all_uses_with(sizes.in_graph(p.meta["val"]))
@@ -398,8 +449,14 @@ class GraphSession(NotCopyable):
 
     _boxed_call = True
 
-    def __init__(self, gm: torch.fx.GraphModule, training: bool, session_options: ort.SessionOptions | None = None,
-                 providers=None, save_as: str | None = None):
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        training: bool,
+        session_options: ort.SessionOptions | None = None,
+        providers=None,
+        save_as: str | None = None,
+    ):
         self.graph = graph = OnnxGraph(gm, training)
         self.model = self.session = None
         self.recycled: list[int] = []  # outputs written into the last run's buffers (see recycle)
@@ -415,9 +472,12 @@ class GraphSession(NotCopyable):
         while True:
             self.model = graph.to_onnx(in_pytorch)
             try:
-                self.session = runtime.InferenceSession(self.model.SerializeToString(), options,
-                                                        providers=_providers(providers, graph.device),
-                                                        disabled_optimizers=self._disabled_optimizers)
+                self.session = runtime.InferenceSession(
+                    self.model.SerializeToString(),
+                    options,
+                    providers=_providers(providers, graph.device),
+                    disabled_optimizers=self._disabled_optimizers,
+                )
                 break
             except (ort_capi.NotImplemented, ort_capi.InvalidGraph) as e:
                 # (asked of the graph before the exporter's optimizer, which merges the nodes of
@@ -425,14 +485,20 @@ class GraphSession(NotCopyable):
                 unoptimized = graph.to_onnx(in_pytorch, optimize=False)
                 refused = kernels.without_kernel(unoptimized, _providers(providers, graph.device)) - in_pytorch
                 if refused:
-                    log.info("ONNX Runtime has no kernel for %s (it refused the graph: %s): they run in PyTorch",
-                             ", ".join(sorted(refused)), str(e).splitlines()[0])
+                    log.info(
+                        "ONNX Runtime has no kernel for %s (it refused the graph: %s): they run in PyTorch",
+                        ", ".join(sorted(refused)),
+                        str(e).splitlines()[0],
+                    )
                     in_pytorch |= refused
                     continue
                 optimizer = fallback.optimizer_without_kernel(str(e))
                 if optimizer is not None and optimizer not in self._disabled_optimizers:
-                    log.info("ONNX Runtime's %s made a node it has no kernel for (%s): that optimizer is off",
-                             optimizer, str(e).splitlines()[0])
+                    log.info(
+                        "ONNX Runtime's %s made a node it has no kernel for (%s): that optimizer is off",
+                        optimizer,
+                        str(e).splitlines()[0],
+                    )
                     self._disabled_optimizers.add(optimizer)
                     continue
                 node = fallback.node_without_kernel(str(e))
@@ -444,23 +510,32 @@ class GraphSession(NotCopyable):
                 if save_as:
                     onnx.save(self.model, save_as)
         if graph.device.type == "cuda" and "CUDAExecutionProvider" not in self.session.get_providers():
-            raise RuntimeError(f"ONNX Runtime could not start its CUDA execution provider for {graph.device} (its "
-                               "log says why: often CUDA or cuDNN libraries it did not find; "
-                               "onnxruntime.preload_dlls() loads torch's)")
+            raise RuntimeError(
+                f"ONNX Runtime could not start its CUDA execution provider for {graph.device} (its "
+                "log says why: often CUDA or cuDNN libraries it did not find; "
+                "onnxruntime.preload_dlls() loads torch's)"
+            )
         input_names = [i.name for i in self.session.get_inputs()]
         output_names = [o.name for o in self.session.get_outputs()]
         if len(input_names) != len(graph.input_values) or len(output_names) != len(graph.outputs):
-            raise RuntimeError(f"the exported graph has {len(input_names)} inputs and {len(output_names)} "
-                               f"outputs, the captured one {len(graph.input_values)} and {len(graph.outputs)}")
+            raise RuntimeError(
+                f"the exported graph has {len(input_names)} inputs and {len(output_names)} "
+                f"outputs, the captured one {len(graph.input_values)} and {len(graph.outputs)}"
+            )
         # What each run binds: (ONNX name, argument index, ORT device, numpy type) per input, (name,
         # ORT device, numpy type) per output, through the C binding (the Python wrapper costs ~10 us
         # per tensor). Context ids are bound once per binding instead (see _Binding).
         on_device = _ort_device(graph.device)
-        self.input_bindings = [(name, k, _ort_device(value.device), _dtypes.numpy_type(value.dtype), value)
-                               for name, k, value in zip(input_names, graph.tensor_inputs, graph.input_values)]
-        self.output_bindings = [(name, on_device, _dtypes.numpy_type(dtype))
-                                for name, (dtype, is_context) in zip(output_names, graph.outputs) if not is_context]
-        self.context_inputs = input_names[len(graph.tensor_inputs):]
+        self.input_bindings = [
+            (name, k, _ort_device(value.device), _dtypes.numpy_type(value.dtype), value)
+            for name, k, value in zip(input_names, graph.tensor_inputs, graph.input_values)
+        ]
+        self.output_bindings = [
+            (name, on_device, _dtypes.numpy_type(dtype))
+            for name, (dtype, is_context) in zip(output_names, graph.outputs)
+            if not is_context
+        ]
+        self.context_inputs = input_names[len(graph.tensor_inputs) :]
         self.context_outputs = [name for name, (_, is_context) in zip(output_names, graph.outputs) if is_context]
         self.stream = _cuda_stream(graph.device) if graph.device.type == "cuda" else None
         self.recycle(graph.lent)
@@ -468,9 +543,14 @@ class GraphSession(NotCopyable):
         self.spinning = False  # whether self.session's threads spin during a run (torch on one thread in it)
         self._trial = None
         if session_options is None and graph.device.type == "cpu" and options.intra_op_num_threads > 1:
-            self._trial = _SpinningTrial(runtime.InferenceSession(
-                self.model.SerializeToString(), default_session_options(graph.largest_tensor, spinning=True),
-                providers=_providers(providers, graph.device), disabled_optimizers=self._disabled_optimizers))
+            self._trial = _SpinningTrial(
+                runtime.InferenceSession(
+                    self.model.SerializeToString(),
+                    default_session_options(graph.largest_tensor, spinning=True),
+                    providers=_providers(providers, graph.device),
+                    disabled_optimizers=self._disabled_optimizers,
+                )
+            )
 
     @property
     def runs_contexts(self) -> bool:
@@ -505,8 +585,7 @@ class GraphSession(NotCopyable):
         outputs, contexts = self._run_session(inputs) if self.session is not None else ([], None)
         size_outputs = graph.size_outputs(inputs)[0] if graph.size_outputs else ()
         by_kind = {"input": inputs, "size": size_outputs, "onnx": outputs, "ids": (contexts,), "id": contexts}
-        return [None if s[0] == "none" else s[1] if s[0] == "constant" else by_kind[s[0]][s[1]]
-                for s in graph.sources]
+        return [None if s[0] == "none" else s[1] if s[0] == "constant" else by_kind[s[0]][s[1]] for s in graph.sources]
 
     def _run_session(self, inputs: list) -> tuple:
         trial = self._trial
@@ -514,23 +593,39 @@ class GraphSession(NotCopyable):
             return self._run_with(self.session, self._bindings, self.spinning, inputs)
         spinning = trial.next_spinning()
         started = time.perf_counter()
-        outputs = self._run_with(trial.session, trial.bindings, True, inputs) if spinning else \
-            self._run_with(self.session, self._bindings, False, inputs)
+        outputs = (
+            self._run_with(trial.session, trial.bindings, True, inputs)
+            if spinning
+            else self._run_with(self.session, self._bindings, False, inputs)
+        )
         if trial.record(spinning, time.perf_counter() - started) and self._trial is trial:
             self._trial = None
             if trial.spinning_wins():
                 self.session, self._bindings, self.spinning = trial.session, trial.bindings, True
-            log.info("graph of %d nodes: ORT's threads %s during its runs (median of %d runs: %.0f us spinning, "
-                     "%.0f sleeping)", len(self.model.graph.node), "spin" if self.spinning else "sleep", trial.RUNS,
-                     *(1e6 * statistics.median(trial.times[k][1:]) for k in (True, False)))
+            log.info(
+                "graph of %d nodes: ORT's threads %s during its runs (median of %d runs: %.0f us spinning, "
+                "%.0f sleeping)",
+                len(self.model.graph.node),
+                "spin" if self.spinning else "sleep",
+                trial.RUNS,
+                *(1e6 * statistics.median(trial.times[k][1:]) for k in (True, False)),
+            )
         return outputs
 
     def _run_with(self, session, bindings: list, spinning: bool, inputs: list) -> tuple:
         # ORT's own IOBinding binding, reused: its Python wrapper asks the session for its
         # providers on every run. One per concurrent run (another thread, a nested call).
-        binding = bindings.pop() if bindings else _Binding(session, self.context_inputs, self.context_outputs,
-                                                              self.graph.saved_contexts,
-                                                              len(self.input_bindings) + len(self.output_bindings))
+        binding = (
+            bindings.pop()
+            if bindings
+            else _Binding(
+                session,
+                self.context_inputs,
+                self.context_outputs,
+                self.graph.saved_contexts,
+                len(self.input_bindings) + len(self.output_bindings),
+            )
+        )
         try:
             if not spinning:
                 return self._run_bound(session, binding, inputs)
@@ -560,10 +655,14 @@ class GraphSession(NotCopyable):
         elif graph.context_args:
             torch.cat([inputs[k].view(-1) for k in graph.context_args], out=binding.ids_in)
         device, kept = graph.device, binding.kept
-        outputs = [None if is_context else
-                   kept[j].detach() if j in kept and kept[j].shape == shape and _unshared(kept, j) else
-                   torch.empty(shape, dtype=dtype, device=device)
-                   for j, ((dtype, is_context), shape) in enumerate(zip(graph.outputs, graph.output_shapes(inputs)))]
+        outputs = [
+            None
+            if is_context
+            else kept[j].detach()
+            if j in kept and kept[j].shape == shape and _unshared(kept, j)
+            else torch.empty(shape, dtype=dtype, device=device)
+            for j, ((dtype, is_context), shape) in enumerate(zip(graph.outputs, graph.output_shapes(inputs)))
+        ]
         for j in self.recycled:
             kept[j] = outputs[j]
         j = len(self.input_bindings)
@@ -592,8 +691,10 @@ class GraphInputChanged(RuntimeError):
     buffer changed in place (model.double(), .to(device), .data = ...)."""
 
     def __init__(self, name: str, given: torch.Tensor, captured: torch.Tensor):
-        super().__init__(f"graph input {name} is {given.dtype} {list(given.shape)} on {given.device}; the graph was "
-                         f"captured for {captured.dtype} {list(captured.shape)} on {captured.device}")
+        super().__init__(
+            f"graph input {name} is {given.dtype} {list(given.shape)} on {given.device}; the graph was "
+            f"captured for {captured.dtype} {list(captured.shape)} on {captured.device}"
+        )
 
 
 def _fits(shape, captured) -> bool:
@@ -679,16 +780,21 @@ def _export(gm: torch.fx.GraphModule, inputs: list, in_pytorch: set, optimize: b
     """The graph as ONNX, its inputs' symbolic dims dynamic."""
     # (with the traced strides: the graph may view an input in ways only its own layout allows;
     # on its device, where the graph makes its own tensors)
-    example = tuple(torch.empty_strided([size_hint(d) for d in t.shape], [size_hint(s) for s in t.stride()],
-                                        dtype=t.dtype, device=t.device).zero_() for t in inputs)
-    dynamic = tuple({d: torch.export.Dim.AUTO for d, size in enumerate(t.shape) if not isinstance(size, int)}
-                    for t in inputs)
+    example = tuple(
+        torch.empty_strided(
+            [size_hint(d) for d in t.shape], [size_hint(s) for s in t.stride()], dtype=t.dtype, device=t.device
+        ).zero_()
+        for t in inputs
+    )
+    dynamic = tuple(
+        {d: torch.export.Dim.AUTO for d, size in enumerate(t.shape) if not isinstance(size, int)} for t in inputs
+    )
     fallback.fold_error_checks(gm.graph, inputs_checked=True)
     gm.recompile()
     # (under dynamo, the fake mode of its trace is still current)
     with quiet_exporter(), unset_fake_temporarily():
         dynamic = dynamic if any(dynamic) else None
         program = torch.export.export(gm, example, dynamic_shapes=dynamic, strict=False)
-        return fallback.to_onnx(fallback.exportable(program, in_pytorch=in_pytorch, random_in_pytorch=True),
-                                optimize=optimize)
-
+        return fallback.to_onnx(
+            fallback.exportable(program, in_pytorch=in_pytorch, random_in_pytorch=True), optimize=optimize
+        )

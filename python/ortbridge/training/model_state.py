@@ -37,17 +37,35 @@ _COLLECTING_HOOK_MODULES = ("transformers.utils.output_capturing",)
 
 def _traced(hook) -> bool:
     return isinstance(hook, TRACED_HOOKS) or getattr(hook, "__module__", None) in _COLLECTING_HOOK_MODULES
+
+
 _AUTOCAST_DEVICES = ("cpu", "cuda")
-_VALUES = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.layout,
-           torch.memory_format, torch.Size)
+_VALUES = (
+    int,
+    float,
+    complex,
+    bool,
+    str,
+    bytes,
+    type(None),
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    torch.Size,
+)
 
 
 def settings() -> tuple:
     """Global settings a trace reads: grad mode, autocast per device type (whether on, its
     dtype), deterministic algorithms, float32 matmul precision, the default dtype."""
-    return (torch.is_grad_enabled(), torch.get_default_dtype(),
-            *((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES),
-            torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision())
+    return (
+        torch.is_grad_enabled(),
+        torch.get_default_dtype(),
+        *((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.get_float32_matmul_precision(),
+    )
 
 
 class Hooks:
@@ -74,9 +92,11 @@ class Hooks:
 
 def _hooks_key(modules: list) -> tuple:
     for kind, hooks in global_module_hooks().items():
-        raise CaptureError(f"a global module {kind[:-1].replace('_', ' ')} is registered "
-                           f"({next(iter(hooks.values()))!r}); inside a captured graph it would run only while "
-                           "capturing, on trace tensors, never on later calls. Remove it while using OrtModule.")
+        raise CaptureError(
+            f"a global module {kind[:-1].replace('_', ' ')} is registered "
+            f"({next(iter(hooks.values()))!r}); inside a captured graph it would run only while "
+            "capturing, on trace tensors, never on later calls. Remove it while using OrtModule."
+        )
     key = []
     for index, (name, module) in enumerate(modules):
         for kind, hooks in module_hooks(module).items():
@@ -88,11 +108,15 @@ def _hooks_key(modules: list) -> tuple:
                 raise CaptureError(
                     f"{where} ({type(module).__name__}) has a {kind[:-1].replace('_', ' ')} ({untraced[0]!r}); a "
                     "captured graph runs without the model's Python code, so the hook would run only while "
-                    "capturing, on trace tensors, never on later calls. " + (
+                    "capturing, on trace tensors, never on later calls. "
+                    + (
                         "It is sharded with fully_shard: wrap each block in an OrtModule first, then fully_shard the "
                         "blocks and the model (or compile each sharded block: block.compile(backend='ortbridge'))."
-                        if sharded else "Register it on the OrtModule instead (its hooks run in PyTorch around the "
-                        "graphs, with real tensors), or remove it."))
+                        if sharded
+                        else "Register it on the OrtModule instead (its hooks run in PyTorch around the "
+                        "graphs, with real tensors), or remove it."
+                    )
+                )
             key.append((index, kind, tuple(hooks)))
     return tuple(key)
 
@@ -130,8 +154,11 @@ def _holders(modules: list):
 
 def _record(value) -> bool:
     """Whether `value` is an object whose attributes are data (a config), not code or tensors."""
-    return (isinstance(getattr(value, "__dict__", None), dict) and not callable(value)
-            and not isinstance(value, (torch.nn.Module, torch.Tensor, type, types.ModuleType)))
+    return (
+        isinstance(getattr(value, "__dict__", None), dict)
+        and not callable(value)
+        and not isinstance(value, (torch.nn.Module, torch.Tensor, type, types.ModuleType))
+    )
 
 
 def _written_in_python(modules):
@@ -158,7 +185,8 @@ def refuse_mistraced(module: torch.nn.Module) -> None:
             raise CaptureError(
                 f"submodule '{name}' ({type(m).__name__}, {m.num_layers} layers, dropout={m.dropout}) would train "
                 "without its dropout between layers: torch's decomposition of multi-layer RNNs leaves it out. "
-                "Set dropout=0, or call that module outside the OrtModule (its output as an argument).")
+                "Set dropout=0, or call that module outside the OrtModule (its output as an argument)."
+            )
 
 
 def attributes(module: torch.nn.Module) -> dict:
@@ -167,10 +195,14 @@ def attributes(module: torch.nn.Module) -> dict:
     dict's or set's value is (it, a shallow copy): a forward may change it in place."""
     state = {}
     for name, m in _written_in_python(module.named_modules()):
-        set_by_hooks = {h.name for hooks in module_hooks(m).values() for h in hooks.values()
-                        if isinstance(h, TRACED_HOOKS)}
-        state.update(((name, attr), (value, copy.copy(value) if type(value) in (list, dict, set) else None))
-                     for attr, value in vars(m).items() if attr not in MODULE_INTERNALS and attr not in set_by_hooks)
+        set_by_hooks = {
+            h.name for hooks in module_hooks(m).values() for h in hooks.values() if isinstance(h, TRACED_HOOKS)
+        }
+        state.update(
+            ((name, attr), (value, copy.copy(value) if type(value) in (list, dict, set) else None))
+            for attr, value in vars(m).items()
+            if attr not in MODULE_INTERNALS and attr not in set_by_hooks
+        )
     return state
 
 
@@ -193,8 +225,11 @@ def refuse_changes(before: dict, module: torch.nn.Module, added: bool = False) -
     `added`: attributes the run added are no change (lazy initialization, as transformers'
     `_output_capturing_hooks_installed`; the capture checks that the trace changes them no more)."""
     after = attributes(module)
-    changed = sorted(k for k in (before.keys() if added else before.keys() | after.keys())
-                     if k not in before or k not in after or not _same(before[k], after[k]))
+    changed = sorted(
+        k
+        for k in (before.keys() if added else before.keys() | after.keys())
+        if k not in before or k not in after or not _same(before[k], after[k])
+    )
     if not changed:
         return
     first = changed[0]  # (described before anything is put back)
@@ -221,4 +256,5 @@ def refuse_changes(before: dict, module: torch.nn.Module, added: bool = False) -
         f"the model's forward changes its Python attribute {'.'.join(filter(None, (name, attr)))} ({was[:60]} -> "
         f"{now[:60]}){f' and {len(changed) - 1} more' if len(changed) > 1 else ''}. A captured graph runs without "
         "forward's Python code, so it would not change again on later calls. Keep such state in a buffer that "
-        "forward updates with tensor operations (register_buffer; the graph updates it), or outside the model.")
+        "forward updates with tensor operations (register_buffer; the graph updates it), or outside the model."
+    )

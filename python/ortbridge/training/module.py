@@ -32,8 +32,11 @@ def _registered(*args) -> None:
     _registrations[0] += 1
 
 
-for _hook in (nn_module.register_module_parameter_registration_hook,
-              nn_module.register_module_buffer_registration_hook, nn_module.register_module_module_registration_hook):
+for _hook in (
+    nn_module.register_module_parameter_registration_hook,
+    nn_module.register_module_buffer_registration_hook,
+    nn_module.register_module_module_registration_hook,
+):
     _hook(_registered)
 
 
@@ -54,7 +57,7 @@ def _to_wrapped_names(module, state_dict: dict, prefix: str, *args) -> None:
     """A parent's checkpoint names the wrapped module's entries as OrtModule.state_dict does,
     `<prefix><name>`; loading reads them from the OrtModule's child, `<prefix>module.<name>`."""
     for name in [k for k in state_dict if k.startswith(prefix)]:
-        state_dict[f"{prefix}module.{name[len(prefix):]}"] = state_dict.pop(name)
+        state_dict[f"{prefix}module.{name[len(prefix) :]}"] = state_dict.pop(name)
 
 
 class _Bound(functools.partial):
@@ -115,16 +118,27 @@ class OrtModule(torch.nn.Module):
     (training/stages.py).
     """
 
-    def __init__(self, module: torch.nn.Module, *, all_functions: bool = True, dynamic: bool = False,
-                 session_options: ort.SessionOptions | None = None, providers: list | None = None,
-                 save_graphs: str | os.PathLike | None = None, backward_stages: int | None = None):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        all_functions: bool = True,
+        dynamic: bool = False,
+        session_options: ort.SessionOptions | None = None,
+        providers: list | None = None,
+        save_graphs: str | os.PathLike | None = None,
+        backward_stages: int | None = None,
+    ):
         super().__init__()
         self.module = module
         self.all_functions = all_functions
         self.dynamic = dynamic
-        self.options = {"session_options": session_options, "providers": providers,
-                        "save_graphs": os.fspath(save_graphs) if save_graphs is not None else None,
-                        "backward_stages": backward_stages}
+        self.options = {
+            "session_options": session_options,
+            "providers": providers,
+            "save_graphs": os.fspath(save_graphs) if save_graphs is not None else None,
+            "backward_stages": backward_stages,
+        }
         self._captures: dict = {}  # signature -> the captures made for it
         self._state: tuple = ((), (), ())  # the module's submodules, parameters and buffers, which the captures hold
         self._state_registrations = None  # _registrations when _state was read
@@ -155,17 +169,26 @@ class OrtModule(torch.nn.Module):
         the check each call makes (benchmarks/guard_cost.py measures it)."""
         if self._state_registrations != _registrations[0]:
             self._check_state()
-        key = (tuple(map(_training, self._state[0])), settings(), self._hooks.check(self._submodules),
-               spec, tuple(_signature(x, self.dynamic) for x in leaves), tuple(map(_requires_grad, self._state[1])))
+        key = (
+            tuple(map(_training, self._state[0])),
+            settings(),
+            self._hooks.check(self._submodules),
+            spec,
+            tuple(_signature(x, self.dynamic) for x in leaves),
+            tuple(map(_requires_grad, self._state[1])),
+        )
         captures = self._captures.get(key, ())
         return key, next((c for c in captures if c.constants.hold() and c.accepts(tensors)), None)
 
     def _capture(self, key: tuple, args: tuple, kwargs: dict) -> Capture:
         captures = self._captures.setdefault(key, [])
         if len(captures) == MAX_CAPTURES:  # (the oldest goes: an attribute value that changes on every call)
-            warnings.warn(f"ortbridge.OrtModule captured {type(self.module).__name__} {MAX_CAPTURES} times for one "
-                          "signature: a module attribute value (or a config's) differs between its calls, and each "
-                          "value is a capture of its own. Keep such values fixed, or pass them as arguments.")
+            warnings.warn(
+                f"ortbridge.OrtModule captured {type(self.module).__name__} {MAX_CAPTURES} times for one "
+                "signature: a module attribute value (or a config's) differs between its calls, and each "
+                "value is a capture of its own. Keep such values fixed, or pass them as arguments.",
+                stacklevel=4,
+            )
             captures.pop(0)
         name = f"{type(self.module).__name__}_{hashlib.sha1(repr(key).encode()).hexdigest()[:10]}_{len(captures)}"
         log.info("capturing %s (%s mode)", name, "train" if self.module.training else "eval")
@@ -182,8 +205,9 @@ class OrtModule(torch.nn.Module):
         those they hold (a layer replaced, load_state_dict(assign=True))."""
         submodules = list(self.module.named_modules())
         state = ([m for _, m in submodules], list(self.module.parameters()), list(self.module.buffers()))
-        if any(len(now) != len(then) or any(a is not b for a, b in zip(now, then))
-               for now, then in zip(state, self._state)):
+        if any(
+            len(now) != len(then) or any(a is not b for a, b in zip(now, then)) for now, then in zip(state, self._state)
+        ):
             self._captures.clear()
         self._state, self._state_registrations = state, _registrations[0]
         self._submodules = submodules
@@ -192,13 +216,16 @@ class OrtModule(torch.nn.Module):
     # A copy (deepcopy, pickle, torch.save) holds no capture: it captures again at its first call.
     def __getstate__(self):
         if self.options["session_options"] is not None:
-            raise TypeError("an OrtModule with session_options cannot be pickled (onnxruntime.SessionOptions "
-                            "cannot be): save its module, or its state_dict, and wrap it again where it is loaded")
+            raise TypeError(
+                "an OrtModule with session_options cannot be pickled (onnxruntime.SessionOptions "
+                "cannot be): save its module, or its state_dict, and wrap it again where it is loaded"
+            )
         return self._state_without_captures()
 
     def _state_without_captures(self) -> dict:
-        return dict(vars(self), _captures={}, _state=((), (), ()), _state_registrations=None, _submodules=[],
-                    _hooks=Hooks())
+        return dict(
+            vars(self), _captures={}, _state=((), (), ()), _state_registrations=None, _submodules=[], _hooks=Hooks()
+        )
 
     def __deepcopy__(self, memo: dict):
         options = self.options["session_options"]
@@ -250,8 +277,13 @@ class OrtModule(torch.nn.Module):
         # OrtModule, `ort_module.flag = x` would change nothing the graph sees).
         # (Never a dunder: `__class__`, which torch's fully_shard sets to give the OrtModule its FSDP class.)
         module = self.__dict__.get("_modules", {}).get("module") if self.__dict__.get("_made") else None
-        if module is not None and not name.startswith("__") and name not in self.__dict__ and \
-                name not in self._modules and hasattr(module, name):
+        if (
+            module is not None
+            and not name.startswith("__")
+            and name not in self.__dict__
+            and name not in self._modules
+            and hasattr(module, name)
+        ):
             setattr(module, name, value)
         else:
             super().__setattr__(name, value)

@@ -42,8 +42,10 @@ def _builder(gradient_builder: str) -> str:
     if gradient_builder not in ("torch", "onnxruntime-training"):
         raise ValueError(f"gradient_builder is 'auto', 'torch' or 'onnxruntime-training', not {gradient_builder!r}")
     if gradient_builder == "onnxruntime-training" and not ort_gradient.available():
-        raise RuntimeError("gradient_builder='onnxruntime-training' needs onnxruntime-training installed (it provides "
-                           "the onnxruntime package); this onnxruntime has no gradient builder")
+        raise RuntimeError(
+            "gradient_builder='onnxruntime-training' needs onnxruntime-training installed (it provides "
+            "the onnxruntime package); this onnxruntime has no gradient builder"
+        )
     return gradient_builder
 
 
@@ -63,25 +65,40 @@ class OrtGradientForwardBackward:
     again for ONNX Runtime (stock onnxruntime); "auto" (default): the first available.
     """
 
-    def __init__(self, onnx_model, weights_to_train: list[str] | None = None, input_names: list[str] | None = None,
-                 output_names: list[str] | None = None, sess_options: ort.SessionOptions | None = None,
-                 providers: list | None = None, gradient_builder: str = "auto", save_graphs=None):
+    def __init__(
+        self,
+        onnx_model,
+        weights_to_train: list[str] | None = None,
+        input_names: list[str] | None = None,
+        output_names: list[str] | None = None,
+        sess_options: ort.SessionOptions | None = None,
+        providers: list | None = None,
+        gradient_builder: str = "auto",
+        save_graphs=None,
+    ):
         self.onnx_model = _load(onnx_model)
-        self.weights_to_train = (float_initializers(self.onnx_model) if weights_to_train is None
-                                 else list(weights_to_train))
+        self.weights_to_train = (
+            float_initializers(self.onnx_model) if weights_to_train is None else list(weights_to_train)
+        )
         self.gradient_builder = _builder(gradient_builder)
         # (the torch form checks the names, and on its own path refuses what it cannot run, naming the node;
         # ORT's builder takes every operator it has a gradient for)
-        graph = OnnxGraphModule(self.onnx_model, weights_to_train=[], input_names=input_names,
-                                output_names=output_names, weights_as_inputs=self.weights_to_train,
-                                check_nodes=self.gradient_builder == "torch")
-        self.input_names = graph.input_names[:len(graph.input_names) - len(self.weights_to_train)]
+        graph = OnnxGraphModule(
+            self.onnx_model,
+            weights_to_train=[],
+            input_names=input_names,
+            output_names=output_names,
+            weights_as_inputs=self.weights_to_train,
+            check_nodes=self.gradient_builder == "torch",
+        )
+        self.input_names = graph.input_names[: len(graph.input_names) - len(self.weights_to_train)]
         self.output_names = list(graph.output_names)
         if self.gradient_builder == "torch":
             self._engine = _TorchGradient(graph, sess_options, providers, save_graphs)
         else:
-            self._engine = ort_gradient.TrainingGraph(self.onnx_model, self.weights_to_train, self.input_names,
-                                                      self.output_names, sess_options, providers)
+            self._engine = ort_gradient.TrainingGraph(
+                self.onnx_model, self.weights_to_train, self.input_names, self.output_names, sess_options, providers
+            )
         self.apply = _function_of(self).apply
 
     def weights(self) -> list[torch.Tensor]:
@@ -98,7 +115,7 @@ class _TorchGradient:
     def __init__(self, graph: OnnxGraphModule, sess_options, providers, save_graphs):
         self.runner = OrtModule(graph, session_options=sess_options, providers=providers, save_graphs=save_graphs)
 
-    def new_instance(self) -> "ForwardBackward":
+    def new_instance(self) -> ForwardBackward:
         return ForwardBackward(self.runner)
 
 
@@ -115,14 +132,34 @@ class OnnxModule(torch.nn.Module):
     with the current weights.
     """
 
-    def __init__(self, model, weights_to_train: list[str] | None = None, *, input_names: list[str] | None = None,
-                 output_names: list[str] | None = None, session_options: ort.SessionOptions | None = None,
-                 providers: list | None = None, gradient_builder: str = "auto", save_graphs=None):
+    def __init__(
+        self,
+        model,
+        weights_to_train: list[str] | None = None,
+        *,
+        input_names: list[str] | None = None,
+        output_names: list[str] | None = None,
+        session_options: ort.SessionOptions | None = None,
+        providers: list | None = None,
+        gradient_builder: str = "auto",
+        save_graphs=None,
+    ):
         super().__init__()
         # (not a submodule: this module's Parameters are its weights, by ONNX name)
-        object.__setattr__(self, "forward_backward", OrtGradientForwardBackward(
-            model, weights_to_train, input_names, output_names, session_options, providers, gradient_builder,
-            save_graphs))
+        object.__setattr__(
+            self,
+            "forward_backward",
+            OrtGradientForwardBackward(
+                model,
+                weights_to_train,
+                input_names,
+                output_names,
+                session_options,
+                providers,
+                gradient_builder,
+                save_graphs,
+            ),
+        )
         self.weights = torch.nn.ParameterList(self.forward_backward.weights())
 
     @property
@@ -162,8 +199,9 @@ class OnnxModule(torch.nn.Module):
         missing = [n for n in weights if n not in state_dict]
         unexpected = [n for n in state_dict if n not in weights]
         if strict and (missing or unexpected):
-            raise RuntimeError(f"state_dict does not fit the ONNX model's weights to train: missing {missing}, "
-                               f"unexpected {unexpected}")
+            raise RuntimeError(
+                f"state_dict does not fit the ONNX model's weights to train: missing {missing}, unexpected {unexpected}"
+            )
         with torch.no_grad():
             for name, p in weights.items():
                 if name in state_dict:
@@ -206,8 +244,11 @@ class ForwardBackward:
             raise RuntimeError("backward needs a forward with training=True first (and runs once per forward)")
         pairs = [(o, g) for o, g in zip(self._outputs, grad_outputs) if g is not None and o.requires_grad]
         wanted = [a for a in self._arguments if a.requires_grad]
-        grads = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
-                     if pairs and wanted else [None] * len(wanted))
+        grads = iter(
+            torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+            if pairs and wanted
+            else [None] * len(wanted)
+        )
         result = tuple(next(grads) if a.requires_grad else None for a in self._arguments)
         self._arguments = self._outputs = None  # (the contexts ORT kept for backward are gone now)
         return result

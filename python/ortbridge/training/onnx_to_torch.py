@@ -70,13 +70,24 @@ def _conv(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_sh
     symmetric = pads[:rank] == pads[rank:]
     if not symmetric:
         x = F.pad(x, _pads(pads, rank))
-    return conv(x, w, b, stride=strides or 1, padding=pads[:rank] if symmetric else 0, dilation=dilations or 1,
-                groups=group)
+    return conv(
+        x, w, b, stride=strides or 1, padding=pads[:rank] if symmetric else 0, dilation=dilations or 1, groups=group
+    )
 
 
 def _pool(kind: str):
-    def pool(x, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape, pads=None, strides=None,
-             count_include_pad=0, storage_order=0):
+    def pool(
+        x,
+        *,
+        auto_pad="NOTSET",
+        ceil_mode=0,
+        dilations=None,
+        kernel_shape,
+        pads=None,
+        strides=None,
+        count_include_pad=0,
+        storage_order=0,
+    ):
         rank = x.dim() - 2
         if auto_pad not in ("NOTSET", "VALID"):
             raise NotImplementedError(f"auto_pad={auto_pad}")
@@ -90,6 +101,7 @@ def _pool(kind: str):
             return op(x, kernel_shape, strides or kernel_shape, padding, dilations or 1, bool(ceil_mode))
         op = (F.avg_pool1d, F.avg_pool2d, F.avg_pool3d)[rank - 1]
         return op(x, kernel_shape, strides or kernel_shape, padding, bool(ceil_mode), bool(count_include_pad))
+
     return pool
 
 
@@ -100,6 +112,7 @@ def _reduce(op):
                 return x
             axes = list(range(x.dim()))
         return op(x, [_axis(a, x.dim()) for a in _ints(axes)], bool(keepdims))
+
     return reduce
 
 
@@ -147,7 +160,7 @@ def _unsqueeze(x, axes):
 def _gather(x, indices, *, axis=0):
     axis = _axis(axis, x.dim())
     indices = torch.where(indices < 0, indices + x.shape[axis], indices)
-    return x.index_select(axis, indices.reshape(-1)).reshape(*x.shape[:axis], *indices.shape, *x.shape[axis + 1:])
+    return x.index_select(axis, indices.reshape(-1)).reshape(*x.shape[:axis], *indices.shape, *x.shape[axis + 1 :])
 
 
 def _layer_norm(x, scale, bias=None, *, axis=-1, epsilon=1e-5, stash_type=1):
@@ -181,6 +194,7 @@ def _expand(x, shape):
 def _softmax(kind):
     def softmax(x, *, axis=-1):
         return (torch.softmax if kind == "softmax" else torch.log_softmax)(x, _axis(axis, x.dim()))
+
     return softmax
 
 
@@ -239,48 +253,120 @@ def _trilu(x, k=None, *, upper=1):
 def _argmax(op):
     def arg(x, *, axis=0, keepdims=1, select_last_index=0):
         return op(x, _axis(axis, x.dim()), bool(keepdims))
+
     return arg
 
 
 # ONNX operator (default domain) -> a torch function of the node's inputs, with its attributes as
 # keyword arguments.
 OPERATORS = {
-    "Abs": torch.abs, "Acos": torch.acos, "Add": torch.add, "And": torch.logical_and, "ArgMax": _argmax(torch.argmax),
-    "ArgMin": _argmax(torch.argmin), "Asin": torch.asin, "Atan": torch.atan,
-    "AveragePool": _pool("avg"), "BatchNormalization": _batch_norm, "Cast": _cast,
-    "Ceil": torch.ceil, "Clip": _clip, "Concat": _concat, "ConstantOfShape": _constant_of_shape, "Conv": _conv,
-    "Cos": torch.cos, "Div": _div, "Dropout": _dropout, "Elu": lambda x, *, alpha=1.0: F.elu(x, alpha),
-    "Equal": torch.eq, "Erf": torch.erf, "Exp": torch.exp, "Expand": _expand, "Flatten": _flatten,
-    "Floor": torch.floor, "Gather": _gather, "Gelu": _gelu, "Gemm": _gemm,
+    "Abs": torch.abs,
+    "Acos": torch.acos,
+    "Add": torch.add,
+    "And": torch.logical_and,
+    "ArgMax": _argmax(torch.argmax),
+    "ArgMin": _argmax(torch.argmin),
+    "Asin": torch.asin,
+    "Atan": torch.atan,
+    "AveragePool": _pool("avg"),
+    "BatchNormalization": _batch_norm,
+    "Cast": _cast,
+    "Ceil": torch.ceil,
+    "Clip": _clip,
+    "Concat": _concat,
+    "ConstantOfShape": _constant_of_shape,
+    "Conv": _conv,
+    "Cos": torch.cos,
+    "Div": _div,
+    "Dropout": _dropout,
+    "Elu": lambda x, *, alpha=1.0: F.elu(x, alpha),
+    "Equal": torch.eq,
+    "Erf": torch.erf,
+    "Exp": torch.exp,
+    "Expand": _expand,
+    "Flatten": _flatten,
+    "Floor": torch.floor,
+    "Gather": _gather,
+    "Gelu": _gelu,
+    "Gemm": _gemm,
     "GlobalAveragePool": lambda x: x.mean(tuple(range(2, x.dim())), keepdim=True),
     "GlobalMaxPool": lambda x: x.amax(tuple(range(2, x.dim())), keepdim=True),
-    "Greater": torch.gt, "GreaterOrEqual": torch.ge,
+    "Greater": torch.gt,
+    "GreaterOrEqual": torch.ge,
     "HardSigmoid": lambda x, *, alpha=0.2, beta=0.5: torch.clamp(alpha * x + beta, 0, 1),
-    "HardSwish": F.hardswish, "Identity": lambda x: x, "LayerNormalization": _layer_norm,
-    "LeakyRelu": lambda x, *, alpha=0.01: F.leaky_relu(x, alpha), "Less": torch.lt, "LessOrEqual": torch.le,
-    "Log": torch.log, "LogSoftmax": _softmax("log_softmax"), "MatMul": torch.matmul, "Max": torch.maximum,
-    "MaxPool": _pool("max"), "Min": torch.minimum, "Mod": _mod, "Mul": torch.mul, "Neg": torch.neg,
-    "Not": torch.logical_not, "Or": torch.logical_or, "Pow": torch.pow, "PRelu": lambda x, slope: torch.where(
-        x >= 0, x, x * slope), "Range": _range, "Reciprocal": torch.reciprocal,
-    "ReduceMax": _reduce(lambda x, d, k: x.amax(d, k)), "ReduceMean": _reduce(lambda x, d, k: x.mean(d, k)),
-    "ReduceMin": _reduce(lambda x, d, k: x.amin(d, k)), "ReduceProd": _reduce(
-        lambda x, d, k: _reduce_prod(x, d, k)), "ReduceSum": _reduce(lambda x, d, k: x.sum(d, k)),
-    "ReduceSumSquare": _reduce(lambda x, d, k: (x * x).sum(d, k)), "Relu": torch.relu, "Reshape": _reshape,
+    "HardSwish": F.hardswish,
+    "Identity": lambda x: x,
+    "LayerNormalization": _layer_norm,
+    "LeakyRelu": lambda x, *, alpha=0.01: F.leaky_relu(x, alpha),
+    "Less": torch.lt,
+    "LessOrEqual": torch.le,
+    "Log": torch.log,
+    "LogSoftmax": _softmax("log_softmax"),
+    "MatMul": torch.matmul,
+    "Max": torch.maximum,
+    "MaxPool": _pool("max"),
+    "Min": torch.minimum,
+    "Mod": _mod,
+    "Mul": torch.mul,
+    "Neg": torch.neg,
+    "Not": torch.logical_not,
+    "Or": torch.logical_or,
+    "Pow": torch.pow,
+    "PRelu": lambda x, slope: torch.where(x >= 0, x, x * slope),
+    "Range": _range,
+    "Reciprocal": torch.reciprocal,
+    "ReduceMax": _reduce(lambda x, d, k: x.amax(d, k)),
+    "ReduceMean": _reduce(lambda x, d, k: x.mean(d, k)),
+    "ReduceMin": _reduce(lambda x, d, k: x.amin(d, k)),
+    "ReduceProd": _reduce(lambda x, d, k: _reduce_prod(x, d, k)),
+    "ReduceSum": _reduce(lambda x, d, k: x.sum(d, k)),
+    "ReduceSumSquare": _reduce(lambda x, d, k: (x * x).sum(d, k)),
+    "Relu": torch.relu,
+    "Reshape": _reshape,
     "Selu": lambda x, *, alpha=1.67326, gamma=1.0507: gamma * torch.where(x > 0, x, alpha * (torch.exp(x) - 1)),
-    "Shape": None, "Sigmoid": torch.sigmoid, "Sign": torch.sign, "Sin": torch.sin, "Slice": _slice,
-    "Softmax": _softmax("softmax"), "Softplus": F.softplus, "Softsign": F.softsign, "Split": _split,
-    "Sqrt": torch.sqrt, "Squeeze": _squeeze, "Sub": torch.sub, "Tan": torch.tan, "Tanh": torch.tanh,
-    "Tile": _tile, "Transpose": _transpose, "Trilu": _trilu, "Unsqueeze": _unsqueeze, "Where": _where,
+    "Shape": None,
+    "Sigmoid": torch.sigmoid,
+    "Sign": torch.sign,
+    "Sin": torch.sin,
+    "Slice": _slice,
+    "Softmax": _softmax("softmax"),
+    "Softplus": F.softplus,
+    "Softsign": F.softsign,
+    "Split": _split,
+    "Sqrt": torch.sqrt,
+    "Squeeze": _squeeze,
+    "Sub": torch.sub,
+    "Tan": torch.tan,
+    "Tanh": torch.tanh,
+    "Tile": _tile,
+    "Transpose": _transpose,
+    "Trilu": _trilu,
+    "Unsqueeze": _unsqueeze,
+    "Where": _where,
     "Xor": torch.logical_xor,
 }
 del OPERATORS["Shape"]  # (handled by the module: it reads the input's shape on the host)
 
 # Inputs that the ONNX operator reads as values on the host (shapes, axes, indices of a split),
 # by operator: their node must be computable from constants and shapes.
-_HOST_INPUTS = {"Reshape": {1}, "Slice": {1, 2, 3, 4}, "Split": {1}, "Squeeze": {1}, "Unsqueeze": {1},
-                "Expand": {1}, "ConstantOfShape": {0}, "Tile": {1}, "ReduceMax": {1}, "ReduceMean": {1},
-                "ReduceMin": {1}, "ReduceProd": {1}, "ReduceSum": {1}, "ReduceSumSquare": {1}, "Range": {0, 1, 2},
-                "Trilu": {1}}
+_HOST_INPUTS = {
+    "Reshape": {1},
+    "Slice": {1, 2, 3, 4},
+    "Split": {1},
+    "Squeeze": {1},
+    "Unsqueeze": {1},
+    "Expand": {1},
+    "ConstantOfShape": {0},
+    "Tile": {1},
+    "ReduceMax": {1},
+    "ReduceMean": {1},
+    "ReduceMin": {1},
+    "ReduceProd": {1},
+    "ReduceSum": {1},
+    "ReduceSumSquare": {1},
+    "Range": {0, 1, 2},
+    "Trilu": {1},
+}
 
 # Control flow: its gradient would be the body's, per iteration.
 _SUBGRAPH_OPERATORS = {"If", "Loop", "Scan", "SequenceMap"}
@@ -307,8 +393,12 @@ def _constant(node: onnx.NodeProto) -> torch.Tensor:
     a = node.attribute[0]
     if a.name == "value":
         return torch.from_numpy(numpy_helper.to_array(a.t).copy())
-    kinds = {"value_float": torch.float32, "value_int": torch.int64, "value_floats": torch.float32,
-             "value_ints": torch.int64}
+    kinds = {
+        "value_float": torch.float32,
+        "value_int": torch.int64,
+        "value_floats": torch.float32,
+        "value_ints": torch.int64,
+    }
     if a.name not in kinds:
         raise NotImplementedError(f"Constant with attribute {a.name}")
     return torch.tensor(onnx.helper.get_attribute_value(a), dtype=kinds[a.name])
@@ -334,15 +424,25 @@ class OnnxGraphModule(torch.nn.Module):
     name); other initializers are constants. `check_nodes=False` leaves out the check that every
     node has a torch form (for a graph only named, not run, here)."""
 
-    def __init__(self, model: onnx.ModelProto, weights_to_train: list[str] | None = None, *,
-                 input_names: list[str] | None = None, output_names: list[str] | None = None,
-                 weights_as_inputs: list[str] = (), check_nodes: bool = True):
+    def __init__(
+        self,
+        model: onnx.ModelProto,
+        weights_to_train: list[str] | None = None,
+        *,
+        input_names: list[str] | None = None,
+        output_names: list[str] | None = None,
+        weights_as_inputs: list[str] = (),
+        check_nodes: bool = True,
+    ):
         super().__init__()
         graph = model.graph
         initializers = {i.name: i for i in graph.initializer}
         as_inputs = list(weights_as_inputs)
-        trained = ([n for n in float_initializers(model) if n not in as_inputs] if weights_to_train is None
-                   else list(weights_to_train))
+        trained = (
+            [n for n in float_initializers(model) if n not in as_inputs]
+            if weights_to_train is None
+            else list(weights_to_train)
+        )
         unknown = [n for n in trained + as_inputs if n not in initializers]
         if unknown:
             raise ValueError(f"weights to train that name no initializer of the model: {unknown}")
@@ -353,13 +453,16 @@ class OnnxGraphModule(torch.nn.Module):
             self.register_parameter(attribute, torch.nn.Parameter(value))
             self.parameter_names[attribute] = name
         self.constants: dict[str, torch.Tensor] = {  # ONNX name -> value (host tensors)
-            name: torch.from_numpy(numpy_helper.to_array(init).copy()) for name, init in initializers.items()
-            if name not in trained and name not in as_inputs}
+            name: torch.from_numpy(numpy_helper.to_array(init).copy())
+            for name, init in initializers.items()
+            if name not in trained and name not in as_inputs
+        }
         graph_inputs = [i.name for i in graph.input if i.name not in initializers]
         inputs = graph_inputs if input_names is None else list(input_names)
         if set(inputs) != set(graph_inputs) or len(inputs) != len(graph_inputs):
-            raise ValueError(f"input_names {inputs} must name each graph input that no initializer fills, once: "
-                             f"{graph_inputs}")
+            raise ValueError(
+                f"input_names {inputs} must name each graph input that no initializer fills, once: {graph_inputs}"
+            )
         self.input_names = inputs + as_inputs
         produced = {o for node in graph.node for o in node.output} | set(initializers) | set(graph_inputs)
         self.output_names = [o.name for o in graph.output] if output_names is None else list(output_names)
@@ -372,16 +475,22 @@ class OnnxGraphModule(torch.nn.Module):
 
     def _check(self, node: onnx.NodeProto, index: int) -> None:
         label = _node_label(node, index)
-        if node.op_type in _SUBGRAPH_OPERATORS or any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
-                                                      for a in node.attribute):
-            raise ConversionError(f"{label} holds a subgraph, which training an ONNX graph does not support "
-                                  "(its gradient would need the subgraph's, per iteration)")
+        if node.op_type in _SUBGRAPH_OPERATORS or any(
+            a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute
+        ):
+            raise ConversionError(
+                f"{label} holds a subgraph, which training an ONNX graph does not support "
+                "(its gradient would need the subgraph's, per iteration)"
+            )
         if node.domain == DOMAIN and node.op_type == "PythonOp":
             return
-        if node.domain not in ("", "ai.onnx") or (node.op_type not in OPERATORS
-                                                  and node.op_type not in ("Shape", "Constant", "Size")):
-            raise ConversionError(f"{label} has no torch form here, so no gradient: training supports the "
-                                  f"operators {sorted(OPERATORS)} and ortbridge::PythonOp")
+        if node.domain not in ("", "ai.onnx") or (
+            node.op_type not in OPERATORS and node.op_type not in ("Shape", "Constant", "Size")
+        ):
+            raise ConversionError(
+                f"{label} has no torch form here, so no gradient: training supports the "
+                f"operators {sorted(OPERATORS)} and ortbridge::PythonOp"
+            )
 
     def forward(self, *inputs):
         if len(inputs) != len(self.input_names):
@@ -416,16 +525,19 @@ class OnnxGraphModule(torch.nn.Module):
             for a in node.attribute:
                 start, end = (a.i, end) if a.name == "start" else (start, a.i) if a.name == "end" else (start, end)
             with disable_current_modes():  # a host value: the traced graph specializes it, as it does shapes
-                results = (torch.tensor(shape[start:end] if node.op_type == "Shape" else math.prod(shape),
-                                        dtype=torch.int64),)
+                results = (
+                    torch.tensor(shape[start:end] if node.op_type == "Shape" else math.prod(shape), dtype=torch.int64),
+                )
             on_host = True
         else:
             op = OPERATORS[node.op_type]
             attributes = {a.name: _attribute(a) for a in node.attribute}
             for i in _HOST_INPUTS.get(node.op_type, ()):
                 if i < len(node.input) and node.input[i] and node.input[i] not in host:
-                    raise ConversionError(f"input {i} of this {node.op_type} ('{node.input[i]}') is computed from "
-                                          "tensor values; it must come from constants and shapes")
+                    raise ConversionError(
+                        f"input {i} of this {node.op_type} ('{node.input[i]}') is computed from "
+                        "tensor values; it must come from constants and shapes"
+                    )
             if on_host:
                 with disable_current_modes():
                     results = op(*args, **attributes)
@@ -446,8 +558,12 @@ class OnnxGraphModule(torch.nn.Module):
 def _python_op(node: onnx.NodeProto, tensors: list) -> tuple:
     """An ortbridge::PythonOp node as its Function's apply: the arguments and constants the kernel
     would pass (the kernel library parses the attributes)."""
-    kinds = {onnx.AttributeProto.INT: {}, onnx.AttributeProto.STRING: {}, onnx.AttributeProto.INTS: {},
-             onnx.AttributeProto.FLOATS: {}}
+    kinds = {
+        onnx.AttributeProto.INT: {},
+        onnx.AttributeProto.STRING: {},
+        onnx.AttributeProto.INTS: {},
+        onnx.AttributeProto.FLOATS: {},
+    }
     for a in node.attribute:
         if a.type in kinds:
             value = onnx.helper.get_attribute_value(a)

@@ -7,8 +7,6 @@ ONNX Runtime runs them.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from .. import _dtypes
@@ -35,18 +33,20 @@ class TracedCall:
         attrs.pop("input_requires_grads", None)
         if training:
             grads = iter(self.requires_grad)
-            attrs["input_requires_grads"] = [int(next(grads)) if c == "d" else 0
-                                             for c in attrs["input_convention"]]
+            attrs["input_requires_grads"] = [int(next(grads)) if c == "d" else 0 for c in attrs["input_convention"]]
         return attrs
 
     def backward_attrs(self, present: list[bool]) -> dict:
-        return dict(func_name=self.call.name, output_convention=self.call.attrs["input_convention"],
-                    input_tensor_types=self.call.attrs["output_tensor_types"],
-                    input_tensor_ranks=self.call.attrs["output_tensor_ranks"],
-                    input_tensor_present=[int(p) for p in present],
-                    output_tensor_types=[_dtypes.onnx_type(d) for d in self.input_dtypes],
-                    output_tensor_ranks=[len(s) for s in self.input_shapes],
-                    output_tensor_requires_grads=[int(r) for r in self.requires_grad])
+        return dict(
+            func_name=self.call.name,
+            output_convention=self.call.attrs["input_convention"],
+            input_tensor_types=self.call.attrs["output_tensor_types"],
+            input_tensor_ranks=self.call.attrs["output_tensor_ranks"],
+            input_tensor_present=[int(p) for p in present],
+            output_tensor_types=[_dtypes.onnx_type(d) for d in self.input_dtypes],
+            output_tensor_ranks=[len(s) for s in self.input_shapes],
+            output_tensor_requires_grads=[int(r) for r in self.requires_grad],
+        )
 
     def wanted_gradients(self) -> list[int]:
         return [i for i, r in enumerate(self.requires_grad) if r]
@@ -67,8 +67,10 @@ def python_op_call(call: Call, arguments: Arguments):
 
 
 def _only_traced(name: str):
-    raise RuntimeError(f"ortbridge::{name} stands for a Function call in a captured graph, which ONNX Runtime runs; "
-                       "it has no kernel of its own")
+    raise RuntimeError(
+        f"ortbridge::{name} stands for a Function call in a captured graph, which ONNX Runtime runs; "
+        "it has no kernel of its own"
+    )
 
 
 @torch.library.custom_op("ortbridge::python_op", mutates_args=())
@@ -79,22 +81,25 @@ def python_op(inputs: list[torch.Tensor], call: int) -> list[torch.Tensor]:
 @python_op.register_fake
 def _(inputs, call):
     traced = traced_call(call)
-    outputs = [torch.empty(s, dtype=d, device=traced.device)
-               for s, d in zip(traced.output_shapes, traced.call.output_dtypes)]
+    outputs = [
+        torch.empty(s, dtype=d, device=traced.device) for s, d in zip(traced.output_shapes, traced.call.output_dtypes)
+    ]
     # The context id lives on the host whatever the device (PythonOpGrad reads it there).
     return [torch.empty((), dtype=torch.int64), *outputs]
 
 
 @torch.library.custom_op("ortbridge::python_op_grad", mutates_args=())
-def python_op_grad(context: torch.Tensor, grads: list[Optional[torch.Tensor]], call: int) -> list[torch.Tensor]:
+def python_op_grad(context: torch.Tensor, grads: list[torch.Tensor | None], call: int) -> list[torch.Tensor]:
     _only_traced("python_op_grad")
 
 
 @python_op_grad.register_fake
 def _(context, grads, call):
     traced = traced_call(call)
-    return [torch.empty(traced.input_shapes[i], dtype=traced.input_dtypes[i], device=traced.device)
-            for i in traced.wanted_gradients()]
+    return [
+        torch.empty(traced.input_shapes[i], dtype=traced.input_dtypes[i], device=traced.device)
+        for i in traced.wanted_gradients()
+    ]
 
 
 def _setup_context(ctx, inputs, output):

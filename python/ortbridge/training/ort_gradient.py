@@ -24,8 +24,13 @@ _MICROSOFT = "com.microsoft"
 _FLOATING = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 _SAVED_OUTPUTS = {("", "LayerNormalization"): 3, ("", "Dropout"): 2}
 # Attributes of ortbridge's PythonOp that com.microsoft's schema does not declare.
-_ORTBRIDGE_ONLY = ("call_index", "input_float_scalars_f64", "input_float_tuples_f64", "input_literals",
-                   "input_literal_positions")
+_ORTBRIDGE_ONLY = (
+    "call_index",
+    "input_float_scalars_f64",
+    "input_float_tuples_f64",
+    "input_literals",
+    "input_literal_positions",
+)
 
 
 def available() -> bool:
@@ -55,9 +60,13 @@ def _as_microsoft(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
         set_aside[node.name] = [a for a in node.attribute if a.name in _ORTBRIDGE_ONLY]
         del node.attribute[:]
         node.attribute.extend(kept)
-        node.attribute.extend([onnx.helper.make_attribute("training_mode", 1),
-                               onnx.helper.make_attribute("safe_run_mode", 1),
-                               onnx.helper.make_attribute("input_requires_grads", requires)])
+        node.attribute.extend(
+            [
+                onnx.helper.make_attribute("training_mode", 1),
+                onnx.helper.make_attribute("safe_run_mode", 1),
+                onnx.helper.make_attribute("input_requires_grads", requires),
+            ]
+        )
     for k, node in enumerate(model_copy.graph.node):
         # The builder's gradients of these read outputs torch's exporter leaves off (LayerNormalization's
         # mean and inverse standard deviation, Dropout's mask).
@@ -97,15 +106,23 @@ class TrainingGraph(NotCopyable):
     `input_names`, then the initializers `weights_to_train`; gradients come for each argument of
     a floating-point type. Outputs: the graph's `output_names` (a subset of its outputs)."""
 
-    def __init__(self, model: onnx.ModelProto, weights_to_train: list[str], input_names: list[str],
-                 output_names: list[str], sess_options: ort.SessionOptions | None, providers: list | None):
+    def __init__(
+        self,
+        model: onnx.ModelProto,
+        weights_to_train: list[str],
+        input_names: list[str],
+        output_names: list[str],
+        sess_options: ort.SessionOptions | None,
+        providers: list | None,
+    ):
         if not available():
             raise RuntimeError("the installed onnxruntime has no gradient builder: it is not onnxruntime-training")
         outputs = {o.name: o for o in model.graph.output}
         missing = [n for n in output_names if n not in outputs]
         if missing:
-            raise ValueError(f"with onnxruntime-training's gradient builder, output_names must be graph outputs; "
-                             f"{missing} are not")
+            raise ValueError(
+                f"with onnxruntime-training's gradient builder, output_names must be graph outputs; {missing} are not"
+            )
         prepared, set_aside = _as_microsoft(model)
         del prepared.graph.output[:]
         prepared.graph.output.extend(outputs[n] for n in output_names)
@@ -120,8 +137,10 @@ class TrainingGraph(NotCopyable):
             builder.initialize(prepared.SerializeToString(), config)
             builder.build(_ort_c.TrainingGraphTransformerConfiguration())
         except RuntimeError as e:  # (ORT's text starts with its source location: its own words are last)
-            raise RuntimeError("onnxruntime-training's gradient builder refused the graph: "
-                               + str(e).split("[ONNXRuntimeError]")[-1].strip(" :")) from e
+            raise RuntimeError(
+                "onnxruntime-training's gradient builder refused the graph: "
+                + str(e).split("[ONNXRuntimeError]")[-1].strip(" :")
+            ) from e
         self.info = builder.get_graph_info()
         self.gradient_model = _as_ortbridge(builder.get_gradient_model(), set_aside)
         options = runtime.session_options(sess_options)
@@ -130,8 +149,9 @@ class TrainingGraph(NotCopyable):
         self.device = _ort_c.OrtDevice(_ort_c.OrtDevice.cpu(), _ort_c.OrtDevice.default_memory(), 0)
         feeds = [i.name for i in self.session.get_inputs()]
         fetches = [o.name for o in self.session.get_outputs()]
-        self.agent = _ort_c.TrainingAgent(c_session(self.session), feeds, [self.device] * len(output_names), fetches,
-                                          [self.device] * len(fetches), 0)
+        self.agent = _ort_c.TrainingAgent(
+            c_session(self.session), feeds, [self.device] * len(output_names), fetches, [self.device] * len(fetches), 0
+        )
         # Which argument each backward output is the gradient of.
         grad_names = dict(self.info.user_input_grad_names)
         argument_grads = [grad_names.get(n) for n in input_names] + list(self.info.initializer_grad_names_to_train)
@@ -146,12 +166,13 @@ class TrainingGraph(NotCopyable):
                     if a.name == "training_mode":
                         a.i = 0
         unname_unread_context_ids(forward.graph)
-        self.inference = runtime.InferenceSession(forward.SerializeToString(), runtime.session_options(sess_options),
-                                                  providers=providers)
+        self.inference = runtime.InferenceSession(
+            forward.SerializeToString(), runtime.session_options(sess_options), providers=providers
+        )
         self.inference_inputs = [i.name for i in self.inference.get_inputs()]
         self.feed_names = feeds
 
-    def new_instance(self) -> "TrainingStep":
+    def new_instance(self) -> TrainingStep:
         return TrainingStep(self)
 
 
@@ -171,8 +192,9 @@ class TrainingStep(NotCopyable):
     def forward(self, inputs, training: bool = False) -> tuple:
         graph = self.graph
         if len(inputs) != graph.argument_count:
-            raise TypeError(f"the graph takes {graph.argument_count} arguments (inputs, then weights), "
-                            f"got {len(inputs)}")
+            raise TypeError(
+                f"the graph takes {graph.argument_count} arguments (inputs, then weights), got {len(inputs)}"
+            )
         if not training:
             feeds = {name: t.detach().contiguous().numpy() for name, t in zip(graph.feed_names, inputs)}
             outputs = graph.inference.run(None, {n: feeds[n] for n in graph.inference_inputs})
@@ -194,8 +216,11 @@ class TrainingStep(NotCopyable):
         graph = self.graph
         if self.state is None:
             raise RuntimeError("backward needs a forward with training=True first (and runs once per forward)")
-        grads = [g if g is not None else torch.zeros_like(o)
-                 for i, (o, g) in enumerate(zip(self.outputs, grad_outputs)) if i not in graph.non_differentiable]
+        grads = [
+            g if g is not None else torch.zeros_like(o)
+            for i, (o, g) in enumerate(zip(self.outputs, grad_outputs))
+            if i not in graph.non_differentiable
+        ]
         results = _ort_c.OrtValueVector()
         feeds, arrays = _ort_values(grads, graph.device)
         try:

@@ -27,8 +27,17 @@ aten = torch.ops.aten
 # expand's is smaller where it broadcasts), and detach (an alias; as a graph output, a copy).
 # (Not squeeze: traced again in the backward graph it becomes prims.squeeze, which
 # functionalization refuses.)
-_VIEWS = {aten.t.default, aten.permute.default, aten.transpose.int, aten.view.default, aten._unsafe_view.default,
-          aten.reshape.default, aten.unsqueeze.default, aten.expand.default, aten.detach.default}
+_VIEWS = {
+    aten.t.default,
+    aten.permute.default,
+    aten.transpose.int,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.unsqueeze.default,
+    aten.expand.default,
+    aten.detach.default,
+}
 
 
 def partition(joint_module: torch.fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
@@ -67,8 +76,11 @@ def _save_view_bases(forward: torch.fx.GraphModule, backward: torch.fx.GraphModu
         if not isinstance(node, torch.fx.Node) or node.name not in placeholders:
             continue
         chain, base = _view_chain(node)
-        if not chain or "val" not in base.meta or not (
-                base.op == "call_function" or (base.op == "placeholder" and base in has_gradient)):
+        if (
+            not chain
+            or "val" not in base.meta
+            or not (base.op == "call_function" or (base.op == "placeholder" and base in has_gradient))
+        ):
             continue
         saved[k] = base
         placeholder = placeholders[node.name]
@@ -91,15 +103,19 @@ def _save_view_bases(forward: torch.fx.GraphModule, backward: torch.fx.GraphModu
         backward.recompile()
 
 
-def _save_context_ids_as_one(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule,
-                             num_fwd_outputs: int) -> None:
+def _save_context_ids_as_one(
+    forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, num_fwd_outputs: int
+) -> None:
     """The saved context ids become one saved `stack` of them, in the place of the first; the
     backward graph's placeholders of them become `select`s of one placeholder in its place."""
     outputs = forward.graph.output_node()
     saved = list(outputs.args[0])
     placeholders = {n.name: n for n in backward.graph.nodes if n.op == "placeholder"}
-    ids = [n for n in saved[num_fwd_outputs:]
-           if isinstance(n, torch.fx.Node) and is_context_id(n) and n.name in placeholders]
+    ids = [
+        n
+        for n in saved[num_fwd_outputs:]
+        if isinstance(n, torch.fx.Node) and is_context_id(n) and n.name in placeholders
+    ]
     if not ids:
         return
     with forward.graph.inserting_before(outputs):

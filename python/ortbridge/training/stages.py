@@ -51,8 +51,9 @@ def _assign(graph: torch.fx.Graph, results: list, count: int) -> dict:
     bytes in the order the graph computes them, every other node in the earliest stage that
     reads it, then stages that give no gradient merged into the next that does."""
     position = {n: k for k, n in enumerate(graph.nodes)}
-    computed = sorted({r for r in results if isinstance(r, torch.fx.Node) and r.op != "placeholder"},
-                      key=position.__getitem__)
+    computed = sorted(
+        {r for r in results if isinstance(r, torch.fx.Node) and r.op != "placeholder"}, key=position.__getitem__
+    )
     total = sum(map(_bytes, computed)) or 1
     group, before = {}, 0
     for r in computed:
@@ -83,8 +84,9 @@ class StagedBackward(NotCopyable):
     _boxed_call = True
 
     @staticmethod
-    def of(gm: torch.fx.GraphModule, count: int, session_options=None, providers=None,
-           save_as: str | None = None) -> StagedBackward | None:
+    def of(
+        gm: torch.fx.GraphModule, count: int, session_options=None, providers=None, save_as: str | None = None
+    ) -> StagedBackward | None:
         """The graph in up to `count` stages; None where it has fewer than two (one gradient)."""
         stage = _assign(gm.graph, list(gm.graph.output_node().args[0]), count)
         if max(stage.values(), default=0) == 0:
@@ -111,8 +113,9 @@ class StagedBackward(NotCopyable):
             stage_graph, env = torch.fx.Graph(), {}
             ours = set(stage_nodes)
             # (get_attr: a constant, which each stage that reads it has)
-            reads = list(dict.fromkeys(s for n in stage_nodes for s in n.all_input_nodes
-                                       if s not in ours and s.op != "get_attr"))
+            reads = list(
+                dict.fromkeys(s for n in stage_nodes for s in n.all_input_nodes if s not in ours and s.op != "get_attr")
+            )
             for source in reads:
                 env[source] = stage_graph.placeholder(source.name)
                 env[source].meta = dict(source.meta)
@@ -121,8 +124,12 @@ class StagedBackward(NotCopyable):
                     if source not in env:
                         env[source] = stage_graph.node_copy(source)
                 env[node] = stage_graph.node_copy(node, env.__getitem__)
-            gives = [n for n in stage_nodes if any(u.op == "output" for u in n.users) or
-                     (n.op != "get_attr" and any(stage[u] > k for u in n.users if u.op != "output"))]
+            gives = [
+                n
+                for n in stage_nodes
+                if any(u.op == "output" for u in n.users)
+                or (n.op != "get_attr" and any(stage[u] > k for u in n.users if u.op != "output"))
+            ]
             stage_graph.output(tuple(env[n] for n in gives))
             for node in gives:
                 key[node] = len(key)
@@ -130,11 +137,20 @@ class StagedBackward(NotCopyable):
             self.writes.append([key[n] for n in gives])
             for n in reads:
                 last_use[key[n]] = k
-            self.sessions.append(GraphSession(torch.fx.GraphModule(gm, stage_graph), False, session_options,
-                                              providers, save_as and save_as.replace(".onnx", f"_{k}.onnx")))
+            self.sessions.append(
+                GraphSession(
+                    torch.fx.GraphModule(gm, stage_graph),
+                    False,
+                    session_options,
+                    providers,
+                    save_as and save_as.replace(".onnx", f"_{k}.onnx"),
+                )
+            )
         self.results = [key[r] if isinstance(r, torch.fx.Node) else None for r in results]
-        self.gradients = [[i for i, r in enumerate(results) if isinstance(r, torch.fx.Node) and result_stage[r] == k]
-                          for k in range(self.count)]  # per stage: the outputs it gives
+        self.gradients = [
+            [i for i, r in enumerate(results) if isinstance(r, torch.fx.Node) and result_stage[r] == k]
+            for k in range(self.count)
+        ]  # per stage: the outputs it gives
         for k, given in enumerate(self.gradients):
             for i in given:
                 last_use[self.results[i]] = max(last_use.get(self.results[i], 0), k)

@@ -14,10 +14,18 @@ from __future__ import annotations
 import torch
 
 from .._copying import NotCopyable
-from .._torch_private import (MutationType, OutputType, direct_apply, functorch_transforms_active,
-                              is_any_autocast_enabled, is_tangent, is_traceable_wrapper_subclass,
-                              leave_non_differentiable_gradients_absent, opaque_objects_saved,
-                              saved_for_backward)
+from .._torch_private import (
+    MutationType,
+    OutputType,
+    direct_apply,
+    functorch_transforms_active,
+    is_any_autocast_enabled,
+    is_tangent,
+    is_traceable_wrapper_subclass,
+    leave_non_differentiable_gradients_absent,
+    opaque_objects_saved,
+    saved_for_backward,
+)
 from .stages import StagedBackward
 
 
@@ -31,17 +39,26 @@ class Step(NotCopyable):
         self.mutated = meta.mutated_inp_runtime_indices  # each updated by the output at its position
         self.outputs = slice(len(self.mutated), len(self.mutated) + meta.num_outputs)
         self.returned = meta.num_forward_returns
-        self.non_differentiable = [k for k, info in enumerate(
-            [meta.input_info[i] for i in self.mutated] + meta.output_info) if not info.requires_grad]
+        self.non_differentiable = [
+            k
+            for k, info in enumerate([meta.input_info[i] for i in self.mutated] + meta.output_info)
+            if not info.requires_grad
+        ]
         # (the unchecked ones as eager saved them: no version check)
         self.saved, self.unchecked, self.symints = saved_for_backward(meta)
         # The backward graph's gradient inputs: of the outputs that have one.
-        self.tangents = [len(self.mutated) + k for k, info in enumerate(meta.output_info)
-                         if issubclass(info.raw_type, torch.Tensor) and is_tangent(info)]
+        self.tangents = [
+            len(self.mutated) + k
+            for k, info in enumerate(meta.output_info)
+            if issubclass(info.raw_type, torch.Tensor) and is_tangent(info)
+        ]
         # Inputs with a history whose gradient the backward graph never computes: detached, as
         # AOTAutograd does, so that torch's backward does not walk into that history.
-        self.detached = [i for i, info in enumerate(meta.input_info)
-                         if not backward.computes(i) and info.requires_grad and not info.is_leaf]
+        self.detached = [
+            i
+            for i, info in enumerate(meta.input_info)
+            if not backward.computes(i) and info.requires_grad and not info.is_leaf
+        ]
         self.runs_contexts = backward.runs_contexts  # (its Functions' contexts: released by a run)
         # A backward graph in stages (stages.py): the inputs whose gradients a later stage gives
         # reach the step through that stage's _Stage node.
@@ -49,7 +66,7 @@ class Step(NotCopyable):
         # What only the step saves for backward is written into the last step's buffers where
         # nothing holds them any more (GraphSession.recycle).
         computed = [j for kind, j, *_ in forward.graph.sources[self.saved] if kind == "onnx"]
-        returned = {j for kind, j, *_ in forward.graph.sources[:self.returned] if kind == "onnx"}
+        returned = {j for kind, j, *_ in forward.graph.sources[: self.returned] if kind == "onnx"}
         forward.recycle([j for j in computed if j not in returned])
 
     @staticmethod
@@ -89,13 +106,22 @@ class Step(NotCopyable):
 def _plain(meta) -> bool:
     """Whether a step with this metadata needs nothing of AOTAutograd's runtime but the graphs'
     calls and copies into mutated inputs that need no gradient."""
-    return (not meta.tokens and not meta.num_backward_tokens and not meta.is_rng_op_functionalized
-            and not meta.num_graphsafe_rng_states and not meta.num_intermediate_bases
-            and not opaque_objects_saved(meta) and meta.grad_enabled_mutation is None
-            and all(info.output_type is OutputType.non_alias for info in meta.output_info)
-            and all(info.mutation_type in (MutationType.NOT_MUTATED, MutationType.MUTATED_OUT_GRAPH)
-                    and not info.mutates_metadata and not info.requires_grad
-                    for info in (meta.input_info[i] for i in meta.mutated_inp_runtime_indices)))
+    return (
+        not meta.tokens
+        and not meta.num_backward_tokens
+        and not meta.is_rng_op_functionalized
+        and not meta.num_graphsafe_rng_states
+        and not meta.num_intermediate_bases
+        and not opaque_objects_saved(meta)
+        and meta.grad_enabled_mutation is None
+        and all(info.output_type is OutputType.non_alias for info in meta.output_info)
+        and all(
+            info.mutation_type in (MutationType.NOT_MUTATED, MutationType.MUTATED_OUT_GRAPH)
+            and not info.mutates_metadata
+            and not info.requires_grad
+            for info in (meta.input_info[i] for i in meta.mutated_inp_runtime_indices)
+        )
+    )
 
 
 def _forward(ctx, step: Step, args: tuple) -> tuple:
@@ -104,7 +130,7 @@ def _forward(ctx, step: Step, args: tuple) -> tuple:
     ctx.save_for_backward(*(t.detach() if t._is_view() else t for t in outputs[step.saved]))
     ctx.unchecked = outputs[step.unchecked]
     ctx.symints = outputs[step.symints]
-    returned = tuple(outputs[:step.returned])
+    returned = tuple(outputs[: step.returned])
     ctx.mark_non_differentiable(*(returned[k] for k in step.non_differentiable))
     leave_non_differentiable_gradients_absent(ctx)  # (their gradients are not inputs of the backward graph)
     return returned
@@ -115,9 +141,11 @@ def _backward_inputs(ctx, grads: tuple) -> list:
     step = ctx.step
     if step.runs_contexts:
         if getattr(ctx, "ran", False):
-            raise RuntimeError("ortbridge: a second backward through a captured step (retain_graph=True) whose "
-                               "graph calls Functions: their contexts were released by the first backward. "
-                               "Call the module again for another backward.")
+            raise RuntimeError(
+                "ortbridge: a second backward through a captured step (retain_graph=True) whose "
+                "graph calls Functions: their contexts were released by the first backward. "
+                "Call the module again for another backward."
+            )
         ctx.ran = True
     return [*ctx.symints, *ctx.saved_tensors, *ctx.unchecked, *(grads[k] for k in step.tangents)]
 
