@@ -13,6 +13,9 @@ $PYTHON -m ruff format --check --quiet .
 $PYTHON -m ruff check --quiet .
 $PYTHON -c 'import sys, clang_format; sys.argv[0] = "clang-format"; clang_format.clang_format()' \
   --dry-run -Werror csrc/*.cc csrc/*.h tests/cpp/*.cc tests/fuzz/*.cc
+# The docs site (mkdocs.yml), warnings as errors: broken links and anchors, API entries that do not
+# resolve. (tests/python/test_docs.py runs its examples.)
+$PYTHON -m mkdocs build --strict --quiet
 
 build=build/cpp-tests
 cmake -S . -B "$build" -DORTBRIDGE_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
