@@ -32,7 +32,7 @@ changes), each phase's time exclusive of the phases nested in it:
                        optimizer (with one copy of torch's translation table, no decomposition)
   post-processing      ortbridge's edits of the ONNX graph: node names, dim names, context-id
                        outputs (export); gradient outputs, node names (capture)
-  FX rewrite           training/graph.py OnnxGraph: AOTAutograd's graph rewritten for the export
+  FX rewrite           training/onnx_graph.py OnnxGraph: AOTAutograd's graph rewritten for the export
   session glue         the rest of GraphSession.__init__: serialization, input/output bindings
   session creation     ortbridge.InferenceSession (onnxruntime's graph load, optimization,
                        kernel creation; the custom-op library registration)
@@ -191,23 +191,23 @@ def export_once(calls: int, training: bool) -> tuple[float, dict, str | None]:
 
 
 def capture_timer() -> PhaseTimer:
-    from ortbridge.training import capture, graph
+    from ortbridge.training import capture, onnx_graph, session
 
     timer = PhaseTimer()
     timer.wrap(record.Recorder, "run", "record")
     timer.wrap(capture, "aot_module_simplified", "AOTAutograd")  # (the backward graph is made inside it)
     timer.wrap(
-        graph.GraphSession,
+        session.GraphSession,
         "__init__",
         "{graph} session glue",
         label=lambda args, kwargs: "fw" if (args[2] if len(args) > 2 else kwargs["training"]) else "bw",
     )
-    timer.wrap(graph.OnnxGraph, "__init__", "{graph} FX rewrite")
+    timer.wrap(onnx_graph.OnnxGraph, "__init__", "{graph} FX rewrite")
     timer.wrap(torch.export, "export", "{graph} torch.export", absorbed_by=("{graph} fallback",))
     timer.wrap(fallback, "exportable", "{graph} fallback")
     timer.wrap(fallback, "to_onnx", "{graph} ONNX translation")
-    timer.wrap(graph, "_spread_gradient_outputs", "{graph} post-processing")
-    timer.wrap(graph, "name_nodes", "{graph} post-processing")
+    timer.wrap(onnx_graph, "_spread_gradient_outputs", "{graph} post-processing")
+    timer.wrap(onnx_graph, "name_nodes", "{graph} post-processing")
     timer.wrap(ortbridge.runtime.InferenceSession, "__init__", "{graph} session creation")
     return timer
 

@@ -50,7 +50,7 @@ from common import versions
 from train_step import block_case, cnn_case, timm_cases
 
 import ortbridge
-from ortbridge.training.graph import default_session_options
+from ortbridge.training.threads import default_session_options
 
 PHASES = ("forward", "backward", "optimizer", "step")
 

@@ -179,7 +179,7 @@ def saved_bytes(step, params) -> int:
 
 
 def graph_bytes() -> int:
-    graph = sys.modules.get("ortbridge.training.graph")
+    graph = sys.modules.get("ortbridge.training.session")
     if graph is None:
         return 0
     # (type(), not isinstance: some of torch's objects warn when their __class__ is read)
@@ -219,7 +219,7 @@ def child(
     model, x, y, loss_fn, _ = (block_case if model_name == "Block" else cnn_case)(*shape)
     options = None
     if variant.endswith("-noarena"):
-        from ortbridge.training.graph import default_session_options
+        from ortbridge.training.threads import default_session_options
 
         options = default_session_options()  # after set_num_threads: its thread count is torch's
         options.enable_cpu_mem_arena = False

@@ -265,7 +265,7 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     options = {}
     if args.ort_threads:
-        from ortbridge.training.graph import default_session_options
+        from ortbridge.training.threads import default_session_options
 
         options["session_options"] = default_session_options()
         options["session_options"].intra_op_num_threads = args.ort_threads

@@ -29,14 +29,14 @@ StreamScope::StreamScope(const OrtApi& api, OrtKernelContext* context, const Pla
   if (!placement.via_torch()) return;
   void* stream = nullptr;  // null on the CPU execution provider
   ThrowOnError(api, api.KernelContext_GetGPUComputeStream(context, &stream));
-  previous_ = runner.attr("use_stream")(reinterpret_cast<uintptr_t>(stream));
+  previous_ = runner.attr(Runner().use_stream)(reinterpret_cast<uintptr_t>(stream));
   runner_ = runner;
 }
 
 StreamScope::~StreamScope() {
   if (!runner_) return;
   try {
-    runner_.attr("restore_stream")(previous_);
+    runner_.attr(Runner().restore_stream)(previous_);
   } catch (py::error_already_set& e) {
     e.discard_as_unraisable("ortbridge: restoring torch's current stream");
   }
@@ -57,18 +57,18 @@ void TorchCopy(const py::object& runner, void* dst, const ImportedTensor& src) {
   const dl::Tensor& t = src.tensor();
   const int64_t type = FromDLDataType(t.dtype);
   const Shape shape = src.shape();
-  runner.attr("copy_into")(Capsule(dst, type, shape, t.device),
-                           Capsule(const_cast<char*>(src.data()), type, shape, t.device, t.strides),
-                           src.Overlaps(dst));
+  runner.attr(Runner().copy_into)(Capsule(dst, type, shape, t.device),
+                                  Capsule(const_cast<char*>(src.data()), type, shape, t.device, t.strides),
+                                  src.Overlaps(dst));
 }
 
 void TorchCopy(const py::object& runner, void* dst, const TensorView& src, dl::Device device) {
-  runner.attr("copy_into")(Capsule(dst, src.elem_type, src.shape, device),
-                           Capsule(src.data, src.elem_type, src.shape, device), false);
+  runner.attr(Runner().copy_into)(Capsule(dst, src.elem_type, src.shape, device),
+                                  Capsule(src.data, src.elem_type, src.shape, device), false);
 }
 
 void TorchFill(const py::object& runner, const TensorView& dst, dl::Device device, int64_t value) {
-  runner.attr("fill")(Capsule(dst.data, dst.elem_type, dst.shape, device), value);
+  runner.attr(Runner().fill)(Capsule(dst.data, dst.elem_type, dst.shape, device), value);
 }
 
 }  // namespace ortbridge

@@ -11,6 +11,7 @@
 #include "element_types.h"
 #include "kernel_io.h"
 #include "proxy.h"
+#include "runner_api.h"
 #include "saved_tensors.h"
 
 namespace py = pybind11;
@@ -223,6 +224,15 @@ PYBIND11_MODULE(_C, m) {
         return py::reinterpret_steal<py::object>(unrouted);
       },
       py::arg("descriptor"), "A classmethod descriptor calling torch's own apply, routed or not.");
+  m.def(
+      "_runner_names",
+      [] {
+        py::dict names;
+        names["module"] = ortbridge::RunnerNames();
+        names["node"] = ortbridge::NodeNames();
+        return names;
+      },
+      "The Python names the kernels call: {'module': of ortbridge._runner, 'node': of its node objects}.");
   m.def("_shutdown", &ortbridge::Shutdown);
   py::module_::import("atexit").attr("register")(m.attr("_shutdown"));
 }

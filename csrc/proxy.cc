@@ -19,7 +19,7 @@ std::atomic<bool> g_shutdown{false};
 thread_local std::vector<RunScope> t_run_scopes;  // innermost last
 thread_local int t_kernel_depth = 0;              // kernel calls holding a KernelGil on this thread
 
-void SetGradMode(bool enabled) { Call(Torch().set_grad_enabled, {enabled ? Py_True : Py_False}); }
+void SetGradMode(bool enabled) { Call(Runner().set_grad_enabled, {enabled ? Py_True : Py_False}); }
 }  // namespace
 
 PythonContextPool& Contexts() {
@@ -87,33 +87,6 @@ void RequirePython() {
   }
 }
 
-py::module_ Runner() {
-  PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<py::module_> runner;
-  return runner.call_once_and_store_result([] { return py::module_::import("ortbridge._runner"); })
-      .get_stored();
-}
-
-const TorchCalls& Torch() {
-  PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<TorchCalls> torch;
-  return torch
-      .call_once_and_store_result([] {
-        py::module_ runner = Runner();
-        TorchCalls calls;
-        calls.from_dlpack = runner.attr("_from_dlpack");
-        calls.to_dlpack = runner.attr("_to_dlpack");
-        calls.is_grad_enabled = runner.attr("_is_grad_enabled");
-        calls.set_grad_enabled = runner.attr("_set_grad_enabled");
-        calls.functorch_active = runner.attr("_functorch_active");
-        calls.node_owner = runner.attr("_node_owner");
-        calls.tensor_type = reinterpret_cast<PyTypeObject*>(runner.attr("torch").attr("Tensor").ptr());
-        calls.version = py::str("_version");
-        calls.requires_grad = py::str("requires_grad");
-        calls.grad_fn = py::str("grad_fn");
-        return calls;
-      })
-      .get_stored();
-}
-
 py::object Call(py::handle f, std::initializer_list<py::handle> args) {
   static_assert(sizeof(py::handle) == sizeof(PyObject*), "a handle is its pointer");
   PyObject* returned =
@@ -123,7 +96,7 @@ py::object Call(py::handle f, std::initializer_list<py::handle> args) {
 }
 
 py::object CallWithGradMode(py::handle callable, const py::tuple& args, bool grad_enabled) {
-  const bool was_enabled = Call(Torch().is_grad_enabled).ptr() == Py_True;
+  const bool was_enabled = Call(Runner().is_grad_enabled).ptr() == Py_True;
   // A kernel that a run scope's session calls directly leaves the mode it set to the next
   // kernel, and the scope puts back the caller's: a graph of inference nodes switches once a run,
   // not twice a node. Elsewhere (no scope; a session run by a Function, inside another call) the
@@ -143,7 +116,7 @@ py::object CallWithGradMode(py::handle callable, const py::tuple& args, bool gra
 }
 
 ReturnedList ReturnedItems(PyObject* returned) {
-  if (PyObject_TypeCheck(returned, Torch().tensor_type)) return {returned};
+  if (PyObject_TypeCheck(returned, Runner().tensor_type)) return {returned};
   ReturnedList items;
   if (PyTuple_CheckExact(returned)) {
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(returned); ++i)
@@ -153,7 +126,7 @@ ReturnedList ReturnedItems(PyObject* returned) {
 }
 
 py::object ExportCpuTensor(PyObject* o) {
-  const TorchCalls& torch = Torch();
+  const RunnerApi& torch = Runner();
   if (!PyObject_TypeCheck(o, torch.tensor_type)) return {};
   PyObject* capsule = PyObject_Vectorcall(torch.to_dlpack.ptr(), &o, 1, nullptr);
   if (!capsule || !IsHostCapsule(capsule)) {
@@ -166,7 +139,7 @@ py::object ExportCpuTensor(PyObject* o) {
 
 std::string FormatPythonError(const py::error_already_set& error) {
   try {
-    return Runner().attr("format_exception")(error.value(), error.trace()).cast<std::string>();
+    return Runner().format_exception(error.value(), error.trace()).cast<std::string>();
   } catch (const std::exception&) {
     return error.what();
   }

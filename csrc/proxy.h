@@ -1,4 +1,4 @@
-// The call into Python: the GIL, the runner module (ortbridge._runner), Python errors as text,
+// The call into Python: the GIL, calls (the runner's names: runner_api.h), Python errors as text,
 // and the context pool. Everything here expects the GIL unless it says otherwise.
 #pragma once
 
@@ -12,6 +12,7 @@
 
 #include "ort_util.h"
 #include "pool.h"
+#include "runner_api.h"
 #include "small_vector.h"
 
 namespace ortbridge {
@@ -51,7 +52,7 @@ std::vector<int64_t> EndRunScope(bool failed);
 
 // Ids that a context-id tensor now holds (NewContextIdsCapsule) need no check at the end of the
 // innermost run scope: they leave its list when they are the first it made, as a forward graph's
-// saved contexts are (training/graph.py), at no cost per id. (Any others stay listed; the end
+// saved contexts are (training/session.py), at no cost per id. (Any others stay listed; the end
 // checks them as before.)
 void HeldFromNowOn(const std::vector<int64_t>& ids);
 
@@ -93,19 +94,6 @@ class KernelGil {
 // Throws std::runtime_error when no interpreter can run kernels (none, or it is exiting).
 // Callable without the GIL.
 void RequirePython();
-
-// ortbridge._runner, imported on first use.
-py::module_ Runner();
-
-// The torch calls a kernel makes itself (ortbridge._runner's, looked up once) and the names it
-// reads off tensors.
-struct TorchCalls {
-  py::object from_dlpack, to_dlpack, is_grad_enabled, set_grad_enabled, functorch_active;
-  py::object node_owner;  // None where a context owns its autograd node
-  PyTypeObject* tensor_type = nullptr;
-  py::str version, requires_grad, grad_fn;
-};
-const TorchCalls& Torch();
 
 // f(), f(arg), f(a, b) through CPython's vectorcall (pybind11's calls build an argument tuple
 // first); a Python error becomes py::error_already_set.

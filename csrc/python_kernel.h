@@ -47,8 +47,8 @@ class PythonKernel {
       KernelGil gil;
       try {
         kernel->runner_ = kernel->MakeRunner(DeviceName(kernel->placement_.device));
-        kernel->function_ = kernel->runner_.attr("func").ptr();  // kept alive by the runner
-        kernel->run_ = kernel->runner_.attr("run");
+        kernel->function_ = kernel->runner_.attr(Runner().func).ptr();  // kept alive by the runner
+        kernel->run_ = kernel->runner_.attr(Runner().run);
       } catch (py::error_already_set& e) {
         throw std::runtime_error(FormatPythonError(e));
       }

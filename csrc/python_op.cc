@@ -147,7 +147,7 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
   // tensors out and unchanged inputs goes on to the runner's `result`, which checks and errors as
   // `run` does. GIL held.
   py::tuple CallDirect(const TensorViews& inputs) {
-    const TorchCalls& torch = Torch();
+    const RunnerApi& torch = Runner();
     if (torch.functorch_active().ptr() == Py_True) return run_(BorrowInputs(inputs, placement_.device));
     const py::tuple capsules = BorrowInputs(inputs, placement_.device);
     py::list tensors(capsules.size());
@@ -180,8 +180,8 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
     auto unchanged = [&](py::handle t) { return t.attr(torch.version).cast<int64_t>() == 0; };
     auto by_the_runner = [&] {
       CloseOpenSaving(DirectRunScope());  // (the runner's Python runs without them, as in `run`)
-      return runner_.attr("result")(outputs, tensors,
-                                    training ? py::object(BorrowedSet(inputs)) : py::none());
+      return runner_.attr(Runner().result)(outputs, tensors,
+                                           training ? py::object(BorrowedSet(inputs)) : py::none());
     };
     if (items.size() != n || !std::all_of(tensors.begin(), tensors.end(), unchanged)) return by_the_runner();
     py::tuple result(n + 1);
@@ -198,7 +198,7 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
   // gradient), as the runner's `result` finds it; (that, what keeps it alive) where a context does
   // not own its node.
   py::object Context(const ReturnedList& outputs, const TensorViews& inputs) const {
-    const TorchCalls& torch = Torch();
+    const RunnerApi& torch = Runner();
     for (PyObject* o : outputs) {
       py::object ctx = py::handle(o).attr(torch.grad_fn);
       if (ctx.is_none()) continue;
@@ -207,7 +207,7 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
       if (!attributes) throw py::error_already_set();
       const bool any = PyDict_Size(attributes) > 0;
       Py_DECREF(attributes);
-      if (any) Runner().attr("_own_borrowed_attributes")(ctx, BorrowedSet(inputs));
+      if (any) Runner().own_borrowed_attributes(ctx, BorrowedSet(inputs));
       if (!torch.node_owner.is_none()) return py::make_tuple(ctx, Call(torch.node_owner, {o}));
       return ctx;
     }
@@ -241,8 +241,8 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
   } direct_;
 
   py::object MakeRunner(const std::string& device) {  // GIL held
-    py::object runner = Runner().attr("ForwardNode")(layout_, device);
-    py::object direct = runner.attr("direct");
+    py::object runner = Runner().forward_node(layout_, device);
+    py::object direct = runner.attr(Runner().direct);
     if (!direct.is_none() && !placement_.via_torch()) {  // (the device path is the CUDA kernels': `run`)
       direct_.args = direct[py::int_(1)];
       direct_.tensor_at.assign(py::len(direct_.args), -1);

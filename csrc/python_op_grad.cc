@@ -165,7 +165,7 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
   // BackwardNode.direct allows it; anything but plain CPU tensors or None in the gradients'
   // positions goes on to the runner's `result`, which checks and errors as `run` does. GIL held.
   py::tuple CallDirect(const py::object& ctx, const TensorViews& grads) {
-    const TorchCalls& torch = Torch();
+    const RunnerApi& torch = Runner();
     const py::tuple capsules = BorrowInputs(grads, placement_.device);
     py::tuple args(capsules.size() + 1);
     PyTuple_SET_ITEM(args.ptr(), 0, ctx.inc_ref().ptr());
@@ -175,12 +175,12 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
     const py::object returned = CallWithGradMode(direct_, args, false);
     const ReturnedList values = ReturnedItems(returned.ptr());
     const size_t n = layout_.output_tensor_types.size();
-    if (values.size() != layout_.output_convention.size()) return runner_.attr("result")(returned);
+    if (values.size() != layout_.output_convention.size()) return runner_.attr(Runner().result)(returned);
     py::tuple gradients(n);
     for (size_t i = 0; i < n; ++i) {
       PyObject* g = layout_.output_requires_grad[i] ? values[layout_.output_positions[i]] : Py_None;
       py::object exported = g == Py_None ? py::none() : ExportCpuTensor(g);
-      if (!exported) return runner_.attr("result")(returned);
+      if (!exported) return runner_.attr(Runner().result)(returned);
       PyTuple_SET_ITEM(gradients.ptr(), i, exported.release().ptr());
     }
     return gradients;
@@ -189,8 +189,8 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
   py::object direct_;  // BackwardNode.direct: Function.backward, or None where `run` is needed
 
   py::object MakeRunner(const std::string& device) {  // GIL held
-    py::object runner = Runner().attr("BackwardNode")(layout_, device);
-    py::object direct = runner.attr("direct");
+    py::object runner = Runner().backward_node(layout_, device);
+    py::object direct = runner.attr(Runner().direct);
     if (!direct.is_none() && !placement_.via_torch())
       direct_ = direct;  // (the device path: `run`, as on CUDA)
     return runner;

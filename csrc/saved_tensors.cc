@@ -12,9 +12,7 @@ namespace {
 thread_local std::vector<BorrowedBuffers> t_borrowed;  // per open scope, innermost last
 
 struct Hooks {
-  py::object pop, pack, unpack, kept_from_borrowed;
-  py::str push{"_push_saved_hooks"};
-  py::str data_ptr{"data_ptr"}, detach{"detach"};
+  py::object pack, unpack;
 };
 
 const Hooks& SavedTensorHooks();
@@ -23,16 +21,15 @@ const Hooks& SavedTensorHooks();
 // what the runner's _kept_from_borrowed keeps (a copy, or the buffer the graph run lent, or a
 // view of it); the tensor detached otherwise. (Its data pointer, not its storage's: one call less.)
 py::object Pack(py::handle t) {
-  const Hooks& hooks = SavedTensorHooks();
   if (!t_borrowed.empty()) {
-    const auto data = t.attr(hooks.data_ptr)().cast<uintptr_t>();
+    const auto data = t.attr(Runner().data_ptr)().cast<uintptr_t>();
     const BorrowedBuffers& borrowed = t_borrowed.back();
     if (std::any_of(borrowed.begin(), borrowed.end(),
                     [&](const BorrowedBuffer& b) { return b.Holds(data); })) {
-      return hooks.kept_from_borrowed(t);
+      return Runner().kept_from_borrowed(t);
     }
   }
-  return t.attr(hooks.detach)();
+  return t.attr(Runner().detach)();
 }
 
 const Hooks& SavedTensorHooks() {  // (kept for the process's life: never destroyed after Python)
@@ -40,8 +37,6 @@ const Hooks& SavedTensorHooks() {  // (kept for the process's life: never destro
   return hooks
       .call_once_and_store_result([] {
         Hooks h;
-        h.pop = Runner().attr("_pop_saved_hooks");
-        h.kept_from_borrowed = Runner().attr("_kept_from_borrowed");
         h.pack = py::cpp_function(Pack);
         h.unpack = py::cpp_function([](py::object t) { return t; });
         return h;
@@ -54,14 +49,14 @@ const Hooks& SavedTensorHooks() {  // (kept for the process's life: never destro
 void BeginSaving(BorrowedBuffers borrowed) {
   const Hooks& hooks = SavedTensorHooks();
   // (looked up per call, not kept: benchmarks/step_memory.py wraps it to see what is saved)
-  Call(Runner().attr(hooks.push), {hooks.pack, hooks.unpack});
+  Call(Runner().module.attr(Runner().push_saved_hooks), {hooks.pack, hooks.unpack});
   t_borrowed.push_back(std::move(borrowed));
 }
 
 void EndSaving() {
   if (t_borrowed.empty()) return;
   t_borrowed.pop_back();
-  Call(SavedTensorHooks().pop);
+  Call(Runner().pop_saved_hooks);
 }
 
 SavingScope::SavingScope(BorrowedBuffers borrowed) {

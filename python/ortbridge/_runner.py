@@ -14,6 +14,7 @@ no CUDA runtime: the kernel makes ORT's compute stream torch's current stream ar
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import traceback
@@ -24,7 +25,28 @@ from torch.autograd.function import FunctionCtx
 from . import _C, _dtypes, _literals, _torch_private, registry
 from ._torch_private import direct_apply, unrouted_apply, uses_setup_context
 
-# (the kernels call these: csrc/proxy.cc, Torch())
+# The names the C++ kernels call (csrc/runner_api.cc resolves each once: the two lists are the same,
+# tests/python/test_layout.py checks): of this module, and of its node objects (ForwardNode,
+# BackwardNode).
+KERNEL_NAMES = (
+    "ForwardNode",
+    "BackwardNode",
+    "format_exception",
+    "_from_dlpack",
+    "_to_dlpack",
+    "_is_grad_enabled",
+    "_set_grad_enabled",
+    "_functorch_active",
+    "_node_owner",
+    "_own_borrowed_attributes",
+    "_pop_saved_hooks",
+    "_kept_from_borrowed",
+    "Tensor",
+    "_push_saved_hooks",
+)
+NODE_NAMES = ("func", "run", "direct", "result", "use_stream", "restore_stream", "copy_into", "fill")
+
+Tensor = torch.Tensor
 _from_dlpack = _torch_private.from_dlpack
 _to_dlpack = torch.utils.dlpack.to_dlpack
 _is_grad_enabled = torch.is_grad_enabled
@@ -122,7 +144,10 @@ _CONSTANT_VALUE = {
 }
 
 
-def _arguments(layout) -> list:
+parse_forward = _C.parse_forward  # (a PythonOp node's attributes, validated as its kernel does it)
+
+
+def arguments(layout) -> list:
     """Function.apply's arguments with the node's constants in place; tensor slots hold None."""
     args = [None] * len(layout.input_convention)
     constants = layout.constants
@@ -184,7 +209,7 @@ class ForwardNode(_Node):
         self.func = _function(layout.func_name)
         self.apply = unrouted_apply(self.func)
         safe = layout.safe_run_mode
-        args = _arguments(layout)
+        args = arguments(layout)
         # How forward runs unless a functorch transform is active (which needs Function.apply):
         # apply without its pass-through wrapper, or forward itself with safe_run_mode=0.
         self.fast_call = direct_apply(self.func) if safe else _forward_without_autograd(self.func, len(args))
@@ -312,9 +337,28 @@ def _own_borrowed_attributes(ctx, borrowed: set) -> None:
 
 
 # Buffers of ORT's that torch owns for the length of a graph run: outputs the run's caller
-# bound, by address, which no node writes after their own (training/graph.py binds a Function's
-# saved inputs so). Only code of this process adds to it; a model file cannot.
+# bound, by address, which no node writes after their own (training/session.py binds a Function's
+# saved inputs so). Only code of this process adds to it (lending); a model file cannot.
 _lent_buffers: dict[int, torch.Tensor] = {}
+
+
+@contextlib.contextmanager
+def lending(tensors: list):
+    """`tensors` (outputs bound to a run) lent to the Functions the run calls while the block
+    runs: what a Function saves of one is that tensor, not a copy (_kept_from_borrowed)."""
+    for t in tensors:
+        _lent_buffers[t.data_ptr()] = t
+    try:
+        yield
+    finally:
+        for t in tensors:
+            del _lent_buffers[t.data_ptr()]
+
+
+def context_ids_tensor(ids) -> torch.Tensor:
+    """The context ids in `ids` (a 1-d int64 numpy array) as a tensor that owns their contexts:
+    freeing it releases each one no backward took (_C.context_ids_capsule)."""
+    return _from_dlpack(_C.context_ids_capsule(ids))
 
 
 def _kept_from_borrowed(t: torch.Tensor) -> torch.Tensor:

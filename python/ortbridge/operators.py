@@ -106,12 +106,10 @@ def flatten_outputs(result) -> list:
 def _lent(output: int, shape, dtype: torch.dtype) -> torch.Tensor | None:
     """ONNX Runtime's buffer for output `output` of the node being run, or None where the call
     lends none (see _C._lend_output) or it would not have `dtype`."""
-    from ._runner import _from_dlpack  # (here: the runner imports the registry, which imports this module)
-
     capsule = _C._lend_output(output, list(shape))
     if capsule is None:
         return None
-    buffer = _from_dlpack(capsule)
+    buffer = _torch_private.from_dlpack(capsule)
     return buffer if buffer.dtype == dtype else None
 
 

@@ -71,17 +71,24 @@ def _scoped(run, outputs_of):
     return scoped
 
 
-def in_run_scope(run, outputs_of):
-    """run() in a run scope: a failed run releases the autograd contexts it created; a run that
-    succeeds releases those whose id none of outputs_of(its result) holds (nothing could ever
-    take them)."""
+def run_in_scope(run) -> tuple[object, list[int]]:
+    """run() in a run scope (csrc/proxy.h): (its result, the ids of the autograd contexts it left
+    live that no context-id tensor holds, which the caller keeps or releases); a failed run
+    releases the contexts it created."""
     _C._begin_run()
     try:
         result = run()
     except BaseException:
         _C._end_run(failed=True)
         raise
-    unheld = _C._end_run(failed=False)
+    return result, _C._end_run(failed=False)
+
+
+def in_run_scope(run, outputs_of):
+    """run() in a run scope: a failed run releases the autograd contexts it created; a run that
+    succeeds releases those whose id none of outputs_of(its result) holds (nothing could ever
+    take them)."""
+    result, unheld = run_in_scope(run)
     if unheld:
         returned = _returned(unheld, outputs_of(result))
         for context_id in unheld:

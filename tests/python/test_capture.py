@@ -847,9 +847,9 @@ def test_a_run_writes_what_only_the_step_holds_into_the_last_steps_buffers():
 
 def test_outputs_larger_than_the_recycling_bound_get_new_buffers(monkeypatch):
     # (the bound keeps large buffers from staying between steps, where eager frees them)
-    from ortbridge.training import graph
+    from ortbridge.training import session
 
-    monkeypatch.setattr(graph, "RECYCLED_BYTES", 2 * 3 * 16 * 4 - 1)  # (under the Linear's output)
+    monkeypatch.setattr(session, "RECYCLED_BYTES", 2 * 3 * 16 * 4 - 1)  # (under the Linear's output)
     wrapped = train_like_eager(_ThreeSavingCalls(), functools.partial(_inputs_3d, shape=(2, 3, 6)))
     (forward, _) = _all_captures(wrapped)[0].sessions
     # (of the two lent buffers and the saved Linear output, the lent x * 2 alone)
@@ -1085,7 +1085,7 @@ def test_options_session_options_providers_save_graphs_and_logging(tmp_path, cap
 def test_default_threads_one_for_small_graphs():
     # ORT's pool threads sleep between runs; waking one per small operator costs more than it
     # saves, so a graph whose tensors are all small runs on one thread, a larger one on torch's.
-    from ortbridge.training.graph import SMALL_GRAPH_ELEMENTS
+    from ortbridge.training.threads import SMALL_GRAPH_ELEMENTS
 
     for width, threads in ((8, 1), (256, torch.get_num_threads())):
         wrapped = ortbridge.OrtModule(torch.nn.Sequential(torch.nn.Linear(width, width), _Calls(Gelu)))
@@ -1099,7 +1099,7 @@ def test_default_threads_one_for_small_graphs():
 def test_threads_of_larger_graphs_sleep_or_spin_as_their_first_runs_measure(monkeypatch):
     # A CPU graph on several threads runs in a sleeping and a spinning session by turns, keeps the
     # faster and drops the other; while a spinning session runs, torch works on one thread.
-    from ortbridge.training import graph as graph_module
+    from ortbridge.training import threads as graph_module
 
     threads_seen = []
     gelu_forward = Gelu.forward
@@ -1113,7 +1113,7 @@ def test_threads_of_larger_graphs_sleep_or_spin_as_their_first_runs_measure(monk
     previous = torch.get_num_threads()
     torch.set_num_threads(2)  # (as on a machine with two cores or more)
     try:
-        for run in range(2 * (graph_module._SpinningTrial.RUNS + 1)):
+        for run in range(2 * (graph_module.SpinningTrial.RUNS + 1)):
             x = torch.randn(32, 256)
             for m in (model, wrapped):
                 m(x).sum().backward()
@@ -1122,7 +1122,7 @@ def test_threads_of_larger_graphs_sleep_or_spin_as_their_first_runs_measure(monk
                 p.grad = q.grad = None
             assert torch.get_num_threads() == 2
             sessions = _all_captures(wrapped)[0].sessions
-            assert all((s._trial is None) == (run == 2 * graph_module._SpinningTrial.RUNS + 1) for s in sessions)
+            assert all((s._trial is None) == (run == 2 * graph_module.SpinningTrial.RUNS + 1) for s in sessions)
     finally:
         torch.set_num_threads(previous)
     # Gelu's forwards: eager's, the capture's recording run, then the graph's runs (sleeping,
@@ -1165,7 +1165,7 @@ def test_graph_rewrite_for_onnx_needs_no_onnx_runtime():
     every other output comes from."""
     from torch._functorch.aot_autograd import aot_module_simplified
 
-    from ortbridge.training.graph import OnnxGraph
+    from ortbridge.training.onnx_graph import OnnxGraph
 
     graphs = {}
 

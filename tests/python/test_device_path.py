@@ -175,13 +175,13 @@ def test_a_function_returning_another_device_is_refused():
     assert "is on cpu, but this kernel runs on cuda:1 (the CUDA execution provider)" in str(error.value)
 
 
-# The training graphs' device logic (training/graph.py), with fake CUDA tensors.
+# The training graphs' device logic (training/onnx_graph.py, devices.py), with fake CUDA tensors.
 
 
 def _graph_with_inputs(*devices, context_id_on_cpu: bool = False) -> list:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ortbridge.training import graph as g
+    from ortbridge.training import onnx_graph as g
 
     fx = torch.fx.Graph()
     with FakeTensorMode():
@@ -199,40 +199,43 @@ def _graph_with_inputs(*devices, context_id_on_cpu: bool = False) -> list:
 
 
 def test_a_graph_runs_on_the_one_device_of_its_inputs():
-    from ortbridge.training.graph import _device_of
+    from ortbridge.training.onnx_graph import device_of
 
-    assert _device_of(_graph_with_inputs("cpu", "cpu")) == torch.device("cpu")
-    assert _device_of(_graph_with_inputs("cuda:1", "cuda:1")) == torch.device("cuda:1")
-    assert _device_of(_graph_with_inputs("cuda:0", context_id_on_cpu=True)) == torch.device("cuda:0")
+    assert device_of(_graph_with_inputs("cpu", "cpu")) == torch.device("cpu")
+    assert device_of(_graph_with_inputs("cuda:1", "cuda:1")) == torch.device("cuda:1")
+    assert device_of(_graph_with_inputs("cuda:0", context_id_on_cpu=True)) == torch.device("cuda:0")
     with pytest.raises(NotImplementedError, match="tensors are on cpu and cuda:0; ortbridge runs a graph on one"):
-        _device_of(_graph_with_inputs("cuda:0", "cpu"))
+        device_of(_graph_with_inputs("cuda:0", "cpu"))
     with pytest.raises(NotImplementedError, match="on meta; ortbridge runs graphs on the CPU and on CUDA"):
-        _device_of(_graph_with_inputs("meta"))
+        device_of(_graph_with_inputs("meta"))
 
 
 def test_a_cuda_graph_needs_onnxruntime_gpu(monkeypatch):
-    from ortbridge.training import graph as g
+    from ortbridge.training import devices as g
 
     monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
     with pytest.raises(
         RuntimeError, match=r"on cuda:0, but this onnxruntime has no CUDAExecutionProvider: .*ortbridge\[gpu\]"
     ):
-        g._providers(None, torch.device("cuda:0"))
+        g.execution_providers(None, torch.device("cuda:0"))
 
 
 def test_a_cuda_graph_runs_on_ortbridges_stream_with_the_users_provider_options(monkeypatch):
-    from ortbridge.training import graph as g
+    from ortbridge.training import devices as g
 
     class Stream:
         cuda_stream = 1234
 
     monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
-    monkeypatch.setattr(g, "_cuda_stream", lambda device: Stream)
+    monkeypatch.setattr(g, "cuda_stream", lambda device: Stream)
     ours = {"device_id": "1", "has_user_compute_stream": "1", "user_compute_stream": "1234"}
-    assert g._providers(None, torch.device("cuda:1")) == [("CUDAExecutionProvider", ours), ("CPUExecutionProvider", {})]
+    assert g.execution_providers(None, torch.device("cuda:1")) == [
+        ("CUDAExecutionProvider", ours),
+        ("CPUExecutionProvider", {}),
+    ]
     given = ["CPUExecutionProvider", ("CUDAExecutionProvider", {"arena_extend_strategy": "kSameAsRequested"})]
-    assert g._providers(given, torch.device("cuda:1")) == [
+    assert g.execution_providers(given, torch.device("cuda:1")) == [
         ("CUDAExecutionProvider", {"arena_extend_strategy": "kSameAsRequested", **ours}),
         ("CPUExecutionProvider", {}),
     ]
-    assert g._providers(None, torch.device("cpu")) == ["CPUExecutionProvider"]
+    assert g.execution_providers(None, torch.device("cpu")) == ["CPUExecutionProvider"]

@@ -17,8 +17,8 @@ import torch
 import torch.nn.modules.module as nn_module
 
 from .capture import Capture, flatten
-from .graph import GraphInputChanged
 from .model_state import Constants, Hooks, settings
+from .session import GraphInputChanged
 
 log = logging.getLogger("ortbridge")
 MAX_CAPTURES = 8  # per signature: an older one is dropped

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from onnx import numpy_helper
 
-from .. import _C, _dtypes, _runner, registry
+from .. import _dtypes, _runner, registry
 from .._torch_private import bound_apply, disable_current_modes
 from ..core.nodes import DOMAIN
 
@@ -569,11 +569,11 @@ def _python_op(node: onnx.NodeProto, tensors: list) -> tuple:
             value = onnx.helper.get_attribute_value(a)
             kinds[a.type][a.name] = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
     try:
-        layout = _C.parse_forward(*kinds.values(), len(node.input), len(node.output))
+        layout = _runner.parse_forward(*kinds.values(), len(node.input), len(node.output))
     except ValueError as e:
         raise ConversionError(str(e)) from e
     func = registry.lookup(layout.func_name)
-    args = _runner._arguments(layout)
+    args = _runner.arguments(layout)
     for position, tensor in zip(layout.tensor_positions, tensors):
         args[position] = tensor
     outputs = bound_apply(func)(*args)

@@ -1,7 +1,7 @@
 """The two torch custom ops that stand for one Function call while AOTAutograd traces a model:
 `ortbridge::python_op` (forward; output 0 is the context id) and `ortbridge::python_op_grad`
 (backward; takes that id, saved between the graphs). AOTAutograd's partitioner puts each in its
-graph; graph.py writes them as PythonOp and PythonOpGrad nodes. They have no kernel of their own:
+graph; onnx_graph.py writes them as PythonOp and PythonOpGrad nodes. They have no kernel of their own:
 ONNX Runtime runs them.
 """
 

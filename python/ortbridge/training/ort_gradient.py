@@ -14,7 +14,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from .. import _C, convert, runtime
+from .. import convert, runtime
 from .._copying import NotCopyable
 from .._ort_private import c_session
 from .._ort_private import training_c as _ort_c
@@ -187,7 +187,7 @@ class TrainingStep(NotCopyable):
 
     def __del__(self):
         for context_id in self.contexts:
-            _C.release_context(context_id)
+            runtime.release_context(context_id)
 
     def forward(self, inputs, training: bool = False) -> tuple:
         graph = self.graph
@@ -201,14 +201,11 @@ class TrainingStep(NotCopyable):
             return tuple(torch.from_numpy(o) for o in outputs)
         self.state = _ort_c.PartialGraphExecutionState()
         outputs = _ort_c.OrtValueVector()
-        _C._begin_run()  # (the ids of the contexts this forward keeps: the agent holds them, not an output)
         feeds, self.arrays = _ort_values(inputs, graph.device)  # (read again by the backward)
-        try:
-            graph.agent.run_forward(feeds, outputs, self.state, _ort_c.OrtValueCache())
-        except BaseException:
-            _C._end_run(failed=True)
-            raise
-        self.contexts = _C._end_run(failed=False)
+        # (the ids of the contexts this forward keeps: the agent holds them, not an output)
+        _, self.contexts = runtime.run_in_scope(
+            lambda: graph.agent.run_forward(feeds, outputs, self.state, _ort_c.OrtValueCache())
+        )
         self.outputs = tuple(_to_torch(o) for o in outputs)
         return self.outputs
 
@@ -228,7 +225,7 @@ class TrainingStep(NotCopyable):
         finally:
             self.state = self.outputs = self.arrays = None
             for context_id in self.contexts:  # (taken by their PythonOpGrads, unless backward failed)
-                _C.release_context(context_id)
+                runtime.release_context(context_id)
             self.contexts = []
         gradients = [None] * graph.argument_count
         for slot, value in zip(graph.gradient_slots, results):

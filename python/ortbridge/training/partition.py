@@ -12,7 +12,7 @@ value the graph computes anyway; the bytes saved are the same.
 
 The context ids of the Function calls are saved as one int64 vector instead of one 0-d tensor per
 call: AOTAutograd's runtime handles each saved tensor in Python (about a microsecond each, in
-both graphs), and the forward run makes one tensor that owns them all (graph.py).
+both graphs), and the forward run makes one tensor that owns them all (session.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .._torch_private import default_partition
-from .graph import is_context_id
+from .onnx_graph import is_context_id
 
 aten = torch.ops.aten
 # Views that keep every element of their input (a saved base is no larger than the saved view;

@@ -19,7 +19,7 @@ import torch
 
 from .._copying import NotCopyable
 from ..core.record import size_hint
-from .graph import GraphSession
+from .session import GraphSession
 
 # Gradients per stage when the step counts its stages itself (Step.stages_for): a stage's run costs
 # one ORT run more and keeps ORT from fusing across its ends; a stage of a few MiB of gradients
