@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "element_types.h"
+#include "text.h"
 
 namespace ortbridge {
 
@@ -23,15 +24,6 @@ constexpr int64_t kMaxOutputDims = 256;
 
 // Throws AttributeError (naming `attribute`) when `ranks` add up to more than kMaxOutputDims.
 void CheckOutputDims(const char* attribute, const std::vector<int64_t>& ranks);
-
-// `text` as it may appear in an error message: valid UTF-8 and printable ASCII as they are, any
-// other byte (invalid UTF-8, control characters, NUL) as \xNN. Attribute values and names come
-// from model files; ORT's error text must stay a valid, complete string.
-// Beyond `max_bytes` the text is cut (ORT's messages end at about 4 KB: the reason must fit).
-std::string Printable(const std::string& text, size_t max_bytes = 200);
-
-// Whether `text` is valid UTF-8 without NUL characters (what a name must be to reach Python).
-bool IsValidUtf8(const std::string& text);
 
 // Where attributes come from: the ORT kernel info in production, a map in tests.
 // Each getter returns false when the attribute is absent or has another type; Has tells the two
