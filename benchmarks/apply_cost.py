@@ -2,14 +2,14 @@
 release-specific keeper of a training context costs.
 
 1. Function.apply with ortbridge imported and without. ortbridge routes apply only while it
-   records, exports or captures (_torch_private.route_apply); outside, apply is torch's own and a
+   records, exports or captures (torch_private.route_apply); outside, apply is torch's own and a
    call must cost what it costs without ortbridge (goal: at most 2% or 0.1 us more). Each side
    runs in fresh processes, alternated (--processes of each); in each, the median over --repeats
    repeats of N calls of `Fn.apply(x)` on a 16-element tensor, in train (x requires grad, no
    backward) and no_grad. The table gives the median over the processes of each side.
 
 2. The node owner (torch 2.12 and older, where a Function's ctx does not own its autograd node:
-   _torch_private.CONTEXT_OWNS_NODE). A training PythonOp then keeps, with the context, the grad_fn
+   torch_private.CONTEXT_OWNS_NODE). A training PythonOp then keeps, with the context, the grad_fn
    of a view of an output. Its cost per call, next to one Function.apply in train mode in the same
    process (the owner is timed on every release, used only where needed), and the memory each
    live one holds (RSS over --owners of them held at once).
@@ -82,11 +82,11 @@ def function_apply(processes: int, repeats: int, target: float) -> dict:
 
 def node_owner(repeats: int, target: float, owners: int) -> tuple[float, float, float]:
     """(us per owner made, us per Function.apply in train mode, bytes per owner held)."""
-    from ortbridge import _torch_private
+    from ortbridge._compat import torch_private
 
     x = torch.randn(16, requires_grad=True)
     out = Scale.apply(x)
-    make = _torch_private._node_owner  # (the function itself: on releases that do not need it too)
+    make = torch_private._node_owner  # (the function itself: on releases that do not need it too)
     owner_us, apply_us = [], []
     for _ in range(3):  # (interleaved)
         owner_us.append(per_call_us(lambda: make(out), repeats, target))
@@ -112,11 +112,11 @@ def main():
         return child(args.child == "with", args.repeats, args.target)
     if args.quick:
         args.processes, args.repeats, args.target, args.owners = 1, 3, 0.02, 10_000
-    from ortbridge import _torch_private
+    from ortbridge._compat import torch_private
 
     print(
         f"torch {torch.__version__}, Python {sys.version.split()[0]}; Function.apply in C: "
-        f"{_torch_private.APPLY_IN_C}; a context owns its node: {_torch_private.CONTEXT_OWNS_NODE}"
+        f"{torch_private.APPLY_IN_C}; a context owns its node: {torch_private.CONTEXT_OWNS_NODE}"
     )
     results = function_apply(args.processes, args.repeats, args.target)
     print(f"\n1. Function.apply, us per call (median of {args.processes} processes each, alternated)")
@@ -131,7 +131,7 @@ def main():
         )
 
     owner_us, apply_us, per_owner = node_owner(args.repeats, args.target, args.owners)
-    used = "used on this release" if _torch_private.node_owner is not None else "not used on this release"
+    used = "used on this release" if torch_private.node_owner is not None else "not used on this release"
     print(
         f"\n2. Node owner ({used}): {owner_us:.3f} us to make one, next to {apply_us:.3f} us per "
         f"Function.apply in train mode ({owner_us / apply_us:.2f} x); {per_owner:.0f} bytes per live one "

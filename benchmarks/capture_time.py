@@ -66,7 +66,7 @@ from train_step import BiasGelu, cnn_case, trainer
 import ortbridge
 import ortbridge.exporter
 import ortbridge.exporter.dims
-from ortbridge.core import fallback, record
+from ortbridge._tracing import fallback, record
 
 
 class Layer(torch.nn.Module):

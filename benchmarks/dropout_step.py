@@ -27,7 +27,7 @@ import torch
 from common import medians, versions
 
 import ortbridge
-from ortbridge.core import fallback
+from ortbridge._tracing import fallback
 
 nn = torch.nn
 

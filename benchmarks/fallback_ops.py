@@ -12,7 +12,7 @@ and of every parameter), on three copies of the same layer:
               node runs the operator itself in PyTorch on ONNX Runtime's buffers
 Each copy's input gradient must match eager's before timing. The table gives the median step
 time over --repeats repeats, and the ratios to eager from the same run (lower is better). An
-operator belongs in PYTORCH_PREFERRED (python/ortbridge/core/fallback.py) when "pytorch" beats
+operator belongs in PYTORCH_PREFERRED (python/ortbridge/_tracing/fallback.py) when "pytorch" beats
 "decomposed" at both sizes.
 """
 
@@ -26,7 +26,7 @@ import torch
 from common import medians, versions
 
 import ortbridge
-from ortbridge.core import fallback
+from ortbridge._tracing import fallback
 
 aten = torch.ops.aten
 nn = torch.nn

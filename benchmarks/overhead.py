@@ -109,7 +109,7 @@ from common import (
 from onnx import helper
 
 import ortbridge
-from ortbridge import _runner
+from ortbridge._kernel import runner
 
 NUMEL = 16
 KS = (1, 16, 64)
@@ -323,8 +323,8 @@ def print_inference_parts(repeats: int, target: float, warmup: int) -> None:
         return lambda: sess.run(["y"], feeds)
 
     lo, hi = KS[0], KS[-1]
-    direct = _runner.direct_apply(Clone)
-    apply, from_dlpack, to_dlpack = Clone.apply, _runner._from_dlpack, _runner._to_dlpack
+    direct = runner.direct_apply(Clone)
+    apply, from_dlpack, to_dlpack = Clone.apply, runner._from_dlpack, runner._to_dlpack
     with torch.no_grad():
         t_lo, t_hi, t_dlpack, t_direct, t_apply = medians(
             [

@@ -147,7 +147,7 @@ def torch_profile(step, steps: int):
     return prof.key_averages()
 
 
-# Fallback nodes that run their operator through another (operators._INTO_OUTPUTS, writing into
+# Fallback nodes that run their operator through another (_kernel/lookup.py's _INTO_OUTPUTS, writing into
 # ONNX Runtime's buffers), and what eager runs for it: (record inside the node, record in eager).
 SAME_KERNEL = {
     "aten::_native_batch_norm_legit_functional.default": ("aten::_native_batch_norm_legit", "aten::native_batch_norm")

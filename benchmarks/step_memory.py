@@ -152,7 +152,7 @@ def saved_bytes(step, params) -> int:
     """Bytes of the distinct storages saved for backward during one step, parameters' excluded:
     those torch saves (eager's, the captured graph's saved activations) and those the Functions
     save inside a PythonOp, whose own pack hook (it copies what views ORT's buffers) is wrapped
-    here for the step (ortbridge._runner's, restored afterwards)."""
+    here for the step (ortbridge._kernel.runner's, restored afterwards)."""
     import torch
 
     skip = {p.untyped_storage().data_ptr() for p in params}
@@ -165,7 +165,7 @@ def saved_bytes(step, params) -> int:
                 seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
         return t
 
-    runner = sys.modules.get("ortbridge._runner")  # (imported once a PythonOp runs; never in eager)
+    runner = sys.modules.get("ortbridge._kernel.runner")  # (imported once a PythonOp runs; never in eager)
     push = runner and runner._push_saved_hooks
     if runner:
         runner._push_saved_hooks = lambda pack, unpack: push(lambda t: record(pack(t)), unpack)

@@ -52,7 +52,7 @@ import torch
 from common import medians, versions
 
 import ortbridge
-from ortbridge.core import fallback
+from ortbridge._tracing import fallback
 
 F = torch.nn.functional
 

@@ -44,7 +44,7 @@ void MadeByKernelsOnly(py::class_<T>& cls) {
   PyType_Modified(type);
 }
 
-// The kernel<->runner contract: the parsed node, read-only, from which ortbridge._runner builds
+// The kernel<->runner contract: the parsed node, read-only, from which ortbridge._kernel.runner builds
 // its node (every Python value of a constant is made there).
 void BindLayouts(py::module_& m) {
   using ortbridge::BackwardLayout;
@@ -232,7 +232,8 @@ PYBIND11_MODULE(_C, m) {
         names["node"] = ortbridge::NodeNames();
         return names;
       },
-      "The Python names the kernels call: {'module': of ortbridge._runner, 'node': of its node objects}.");
+      "The Python names the kernels call: {'module': of ortbridge._kernel.runner, 'node': of its node "
+      "objects}.");
   m.def("_shutdown", &ortbridge::Shutdown);
   py::module_::import("atexit").attr("register")(m.attr("_shutdown"));
 }

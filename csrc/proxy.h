@@ -26,7 +26,7 @@ namespace py = pybind11;
 struct SavedContext {
   py::object ctx;
   // What keeps ctx's autograd node alive, where ctx does not own it (torch 2.12 and older: see
-  // _torch_private.CONTEXT_OWNS_NODE); null elsewhere.
+  // torch_private.CONTEXT_OWNS_NODE); null elsewhere.
   py::object node_owner;
   const PyObject* function = nullptr;
   SmallVector<TensorMeta, 2> inputs;

@@ -61,8 +61,8 @@ class PythonKernel {
   const Layout layout_;
   const std::string error_prefix_;
   Placement placement_;
-  py::object runner_;                   // ortbridge._runner's node: runs the Function, writes device buffers
-  py::object run_;                      // its bound `run` method
+  py::object runner_;  // ortbridge._kernel.runner's node: runs the Function, writes device buffers
+  py::object run_;     // its bound `run` method
   const PyObject* function_ = nullptr;  // the Function class: contexts belong to it
   std::unique_ptr<CheckedOutputs> checked_outputs_;
 };

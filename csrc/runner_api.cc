@@ -8,7 +8,7 @@
 namespace ortbridge {
 namespace {
 
-// (name in ortbridge._runner, where it goes)
+// (name in ortbridge._kernel.runner, where it goes)
 constexpr std::pair<const char*, py::object RunnerApi::*> kRunnerNames[] = {
     {"ForwardNode", &RunnerApi::forward_node},
     {"BackwardNode", &RunnerApi::backward_node},
@@ -45,7 +45,7 @@ const RunnerApi& Runner() {
   return api
       .call_once_and_store_result([] {
         RunnerApi a;
-        a.module = py::module_::import("ortbridge._runner");
+        a.module = py::module_::import("ortbridge._kernel.runner");
         for (const auto& [name, member] : kRunnerNames) a.*member = a.module.attr(name);
         a.tensor_type = reinterpret_cast<PyTypeObject*>(a.tensor_class.ptr());
         a.push_saved_hooks = py::str(kPushSavedHooks);

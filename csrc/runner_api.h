@@ -1,4 +1,4 @@
-// The Python the kernels call: ortbridge._runner's names and the names they read off its node
+// The Python the kernels call: ortbridge._kernel.runner's names and the names they read off its node
 // objects and off tensors, each declared once (kRunnerNames, kNodeNames in runner_api.cc; the
 // runner's KERNEL_NAMES and NODE_NAMES say the same, which tests/python/test_layout.py checks
 // through _C._runner_names) and resolved once. Everything here expects the GIL.
@@ -14,7 +14,7 @@ namespace ortbridge {
 namespace py = pybind11;
 
 struct RunnerApi {
-  py::module_ module;  // ortbridge._runner
+  py::module_ module;  // ortbridge._kernel.runner
   // Its callables.
   py::object forward_node, backward_node;  // ForwardNode(layout, device), BackwardNode(layout, device)
   py::object format_exception;             // (exception, traceback) -> str
@@ -30,7 +30,8 @@ struct RunnerApi {
   py::str version, requires_grad, grad_fn, data_ptr, detach;
 };
 
-// ortbridge._runner's API, resolved on first use; a name the runner lacks is an AttributeError naming it.
+// ortbridge._kernel.runner's API, resolved on first use; a name the runner lacks is an AttributeError naming
+// it.
 const RunnerApi& Runner();
 
 // The declared names: of the runner module, and of its node objects.

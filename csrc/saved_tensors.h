@@ -1,6 +1,6 @@
 // What a training-mode forward saves for backward. Its tensor inputs view ONNX Runtime's buffers,
 // which ORT reuses once the call returns: a tensor saved from one of them must be a copy, unless
-// torch owns that buffer (an output the graph run bound and lent: _runner._lent_buffers), whose
+// torch owns that buffer (an output the graph run bound and lent: runner.lending), whose
 // owner the saved view then keeps alive. Every other saved tensor is kept detached, which also
 // breaks the cycle output -> node -> saved output.
 // Both ways of making a training call (the kernel's own, the runner's `run`) go through here.

@@ -13,7 +13,7 @@ import os
 
 import onnx
 
-from .core.nodes import DOMAIN
+from ._tracing.nodes import DOMAIN
 
 _ORT_DOMAIN = "com.microsoft"
 _OPS = ("PythonOp", "PythonOpGrad")

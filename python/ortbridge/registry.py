@@ -13,8 +13,7 @@ import threading
 import torch
 from torch.autograd.function import FunctionCtx
 
-from . import operators
-from ._torch_private import backward_class
+from ._compat.torch_private import backward_class
 
 _lock = threading.Lock()
 _functions: dict[str, type] = {}
@@ -70,36 +69,25 @@ def registered_names() -> list[str]:
     return sorted(_functions)
 
 
-def lookup(name: str) -> type:
-    """The Function a func_name names: a registered one, or (`namespace::op.overload`) the one that
-    runs an allowed torch operator (see ortbridge.operators)."""
-    cls = _functions.get(name)
-    if cls is None and operators.is_operator_name(name):
-        try:
-            return operators.function(name)
-        except LookupError as e:
-            raise UnknownFunctionError(str(e)) from None
-    if cls is None:
-        raise UnknownFunctionError(_unknown(name))
-    return cls
-
-
-def _unknown(name: str) -> str:
-    """What to do about a func_name that nothing is registered under: register the Function
-    under the name the model asks for (a name that records where the class lived at export, e.g.
-    `__main__.X` from a script, is not where it lives now)."""
+def unknown_function(name: str) -> UnknownFunctionError:
+    """The error for a func_name that nothing is registered under, saying what to do: register the
+    Function under the name the model asks for (a name that records where the class lived at
+    export, e.g. `__main__.X` from a script, is not where it lives now)."""
     known = ", ".join(registered_names()) or "none"
     said = f"the model calls Function '{name}', and no Function is registered under that name (registered: {known})."
     class_name = name.rsplit(".", 1)[-1]
     same_class = [(key, cls) for key, cls in sorted(_functions.items()) if cls.__name__ == class_name]
     if same_class:
-        return said + "".join(
-            f" {qualified_name(cls)} is registered as '{key}': if the model means that class, "
-            f"register it under the model's name too: ortbridge.register({cls.__qualname__}, "
-            f"name='{name}')."
-            for key, cls in same_class
+        return UnknownFunctionError(
+            said
+            + "".join(
+                f" {qualified_name(cls)} is registered as '{key}': if the model means that class, "
+                f"register it under the model's name too: ortbridge.register({cls.__qualname__}, "
+                f"name='{name}')."
+                for key, cls in same_class
+            )
         )
-    return (
+    return UnknownFunctionError(
         f"{said} Import the Function and register it under that name before creating the session: "
         f"ortbridge.register(YourFunction, name='{name}'). (register(cls) alone uses its module and class name "
         "where it is imported now, which need not be the model's.)"

@@ -16,8 +16,9 @@ except ModuleNotFoundError as e:  # it comes from an extra: one of two packages 
         name="onnxruntime",
     ) from e
 
-from . import _C, _runner
+from . import _C
 from ._copying import NotCopyable
+from ._kernel import runner
 
 _REGISTERED_KEY = "ortbridge.kernels_registered"
 _REFUSED_NODE = re.compile(r"ortbridge \w+ node '[^']*' \(function '[^']*'\)")
@@ -129,11 +130,11 @@ class InferenceSession(NotCopyable, ort.InferenceSession):
         provider_options=None,
         **kwargs,
     ):
-        _runner.take_refusal()
+        runner.take_refusal()
         try:
             super().__init__(path_or_bytes, session_options(sess_options), providers, provider_options, **kwargs)
         except Exception as e:  # (a node naming no Function: the error its kernel refused it with)
-            refused = _runner.take_refusal()
+            refused = runner.take_refusal()
             if refused is None:
                 raise
             where = _REFUSED_NODE.search(str(e))  # (the kernel's own prefix: which node)

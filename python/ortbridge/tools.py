@@ -9,8 +9,8 @@ import threading
 import onnx
 
 from . import registry, runtime
-from ._ort_private import every_session_prepared, library_registered_once, symbolic_shape_handlers
-from .core.nodes import DOMAIN
+from ._compat.ort_private import every_session_prepared, library_registered_once, symbolic_shape_handlers
+from ._tracing.nodes import DOMAIN
 
 _lock = threading.Lock()
 

@@ -21,8 +21,10 @@ from test_training import _all_captures, train_like_eager
 from torch.utils.checkpoint import checkpoint
 
 import ortbridge
-from ortbridge import _torch_private, registry
-from ortbridge.core.interception import intercepted
+from ortbridge import registry
+from ortbridge._compat import torch_private
+from ortbridge._kernel.lookup import lookup
+from ortbridge._tracing.interception import intercepted
 
 F = torch.nn.functional
 
@@ -182,13 +184,13 @@ def test_export_runs_an_operator_without_onnx_translation_in_pytorch():
 )
 def test_operator_names_resolve_only_to_allowed_registered_operators(name):
     with pytest.raises(LookupError):
-        registry.lookup(name)
+        lookup(name)
 
 
 def test_a_node_onnx_runtimes_optimizer_made_without_a_kernel_names_the_optimizer():
     # (ONNX Runtime 1.19 fuses a float64 MatMul of a transpose into FusedMatMul, which it has no
     # float64 kernel for: the session is made again with that optimizer off.)
-    from ortbridge.core import fallback
+    from ortbridge._tracing import fallback
 
     error = (
         "[ONNXRuntimeError] : 9 : NOT_IMPLEMENTED : Failed to find kernel for com.microsoft.FusedMatMul(1) "
@@ -199,7 +201,7 @@ def test_a_node_onnx_runtimes_optimizer_made_without_a_kernel_names_the_optimize
 
 
 def test_operator_node_runs_the_operator():
-    forward = registry.lookup("aten::add.Tensor").forward
+    forward = lookup("aten::add.Tensor").forward
     (out,) = forward(None, (-1, -1, -1), ("alpha",), torch.ones(2), torch.ones(2), 2)
     assert out.tolist() == [3.0, 3.0]
 
@@ -251,7 +253,7 @@ def test_every_way_of_reaching_apply_is_a_python_op_in_training():
     wrapped = train_like_eager(EveryWay())
     assert _every_way_counted(_graph_nodes(wrapped, 0)) == (5, 1)
     assert _every_way_counted(_graph_nodes(wrapped, 1)) == (5, 1)
-    assert not _torch_private.apply_routed()
+    assert not torch_private.apply_routed()
 
 
 @pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "torchscript"])
@@ -260,7 +262,7 @@ def test_every_way_of_reaching_apply_is_a_python_op_in_export(dynamo):
     x = torch.randn(3, 4)
     proto = ortbridge.export(model, (x,), dynamo=dynamo, all_functions=True)
     assert _every_way_counted(_ortbridge_nodes(proto)) == (5, 1)
-    assert not _torch_private.apply_routed()
+    assert not torch_private.apply_routed()
     session = ortbridge.InferenceSession(proto.SerializeToString())
     (y,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
     np.testing.assert_allclose(y, model(x).detach().numpy(), rtol=1e-5, atol=1e-6)
@@ -308,16 +310,16 @@ def test_apply_is_routed_only_during_a_capture_and_calls_cost_the_same_outside()
 
     x = torch.randn(3, requires_grad=True)
     stored = Gelu.apply
-    assert not _torch_private.apply_routed()
+    assert not torch_private.apply_routed()
     with intercepted({Gelu}, hook):
-        assert _torch_private.apply_routed()
+        assert torch_private.apply_routed()
         stored(x), HalfGelu.apply(x), Noise.apply(x)
-    assert not _torch_private.apply_routed()
+    assert not torch_private.apply_routed()
     stored(x)
     assert calls == [Gelu]  # (HalfGelu and Noise are not asked for)
 
 
-@pytest.mark.skipif(not _torch_private.APPLY_IN_C, reason="torch < 2.14: Function.apply is a Python function here")
+@pytest.mark.skipif(not torch_private.APPLY_IN_C, reason="torch < 2.14: Function.apply is a Python function here")
 @pytest.mark.parametrize(
     "descriptor, match",
     [
@@ -775,7 +777,7 @@ def test_a_function_keeps_its_computed_input_without_a_copy():
     # A Function's input views one of ORT's buffers, which ORT reuses after the call: what it
     # keeps for backward was a copy. An input the graph computes is now a graph output bound to a
     # tensor of torch's for the run, kept by what the Function keeps: no copy, and alive while kept.
-    from ortbridge import _runner
+    from ortbridge._kernel import runner
 
     model = _ThreeSavingCalls()
     wrapped = ortbridge.OrtModule(copy.deepcopy(model))
@@ -800,7 +802,7 @@ def test_a_function_keeps_its_computed_input_without_a_copy():
         for p, q in zip(model.parameters(), wrapped.parameters()):
             torch.testing.assert_close(q.grad, p.grad)
             p.grad = q.grad = None
-        assert ortbridge.context_pool_size() == 0 and not _runner._lent_buffers, churn[0][0, 0]
+        assert ortbridge.context_pool_size() == 0 and not runner._lent_buffers, churn[0][0, 0]
         kept_at_forward_address = [forward == backward for forward, backward in SavesItsInput.addresses[6:]]
         # (what is kept of the computed tensors: no copy; the graph input saved: a copy, as the
         # caller may still change it)

@@ -28,7 +28,8 @@ REFUSED = "cannot be copied or pickled"
 PRELUDE = """
     import copy, gc, json, pickle, sys
     import torch, ortbridge
-    from ortbridge import _C, _runner
+    from ortbridge import _C
+    from ortbridge._kernel import runner
 
     @ortbridge.register(name="test_copy_safety.Scale")
     class Scale(torch.autograd.Function):
@@ -103,8 +104,8 @@ def test_capture_internals_refuse_copies():
                 objects[f"OnnxGraph {k}.{j}"] = s.graph
                 objects[f"InferenceSession {k}.{j}"] = s.session
                 objects[f"_Binding {k}.{j}"] = s._bindings[0]
-        objects["ForwardNode"] = next(n for n in gc.get_objects() if type(n) is _runner.ForwardNode)
-        objects["BackwardNode"] = next(n for n in gc.get_objects() if type(n) is _runner.BackwardNode)
+        objects["ForwardNode"] = next(n for n in gc.get_objects() if type(n) is runner.ForwardNode)
+        objects["BackwardNode"] = next(n for n in gc.get_objects() if type(n) is runner.BackwardNode)
         attempt({name: obj for name, obj in objects.items() if obj is not None})
         o(x).backward()  # (still runs)
     """)
@@ -127,12 +128,12 @@ def test_c_types_refuse_copies_and_bare_construction():
 
         layouts = []
 
-        class Keeping(_runner.BackwardNode):  # (the kernel hands its node a copy of its layout)
+        class Keeping(runner.BackwardNode):  # (the kernel hands its node a copy of its layout)
             def __init__(self, layout, *args):
                 layouts.append(layout)
                 super().__init__(layout, *args)
 
-        _runner.BackwardNode = Keeping
+        runner.BackwardNode = Keeping
         fw = python_op(Scale, [T("x", requires_grad=True), 3.0], [(TP.FLOAT, 1)], out_names=["y"], training=True)
         bw = python_op_grad(Scale, "dc", [("gy", TP.FLOAT, 1)], [("gx", TP.FLOAT, 1)])
         session(model([fw, bw], [value("x", shape=[2]), value("gy", shape=[2])], [value("y"), value("gx")]))

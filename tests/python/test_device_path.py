@@ -10,7 +10,8 @@ from conftest import T, model, python_op, python_op_grad, session, value
 from onnx import TensorProto as TP
 
 import ortbridge
-from ortbridge import _C, _runner
+from ortbridge import _C
+from ortbridge._kernel import runner
 
 
 def test_both_execution_providers_are_registered_and_the_context_id_is_read_on_the_host():
@@ -47,7 +48,7 @@ class _Log:
 
     def __init__(self, monkeypatch):
         self.calls = []
-        node = _runner._Node
+        node = runner._Node
         use, restore, copy_into, fill = node.use_stream, node.restore_stream, node.copy_into, node.fill
 
         def use_stream(node_self, stream):
@@ -153,7 +154,7 @@ def test_an_error_in_the_function_restores_the_stream(monkeypatch):
 
 
 def test_a_strided_output_overlapping_its_buffer_is_copied_through_a_clone():
-    node = _runner._Node("cpu")
+    node = runner._Node("cpu")
     buffer = torch.arange(6, dtype=torch.float32)
     source = buffer.view(2, 3).t()  # (3, 2), strided, over the same memory
     expected = source.contiguous()
@@ -163,14 +164,14 @@ def test_a_strided_output_overlapping_its_buffer_is_copied_through_a_clone():
 
 
 def test_use_stream_off_cuda_is_a_no_op():
-    node = _runner._Node("cpu")
+    node = runner._Node("cpu")
     assert node.use_stream(0) is None
     node.restore_stream(None)
 
 
 def test_a_function_returning_another_device_is_refused():
     error = pytest.raises(
-        RuntimeError, _runner._export_tensor, torch.ones(1), "f.forward output", 0, torch.device("cuda:1")
+        RuntimeError, runner._export_tensor, torch.ones(1), "f.forward output", 0, torch.device("cuda:1")
     )
     assert "is on cpu, but this kernel runs on cuda:1 (the CUDA execution provider)" in str(error.value)
 

@@ -373,23 +373,27 @@ def test_missing_required_attribute():
         session(model([node], [value("x", TP.FLOAT, [3])], [value("y")]))
 
 
-def test_unknown_pointer_constant_is_refused():
+def _faulty_with_constant(name: str, **attributes):
+    """A PythonOp node calling Faulty with the tensor x and one constant given by `attributes`."""
     from onnx import helper
 
-    node = helper.make_node(
+    return helper.make_node(
         "PythonOp",
         ["x"],
         ["ctx", "y"],
         domain="ortbridge",
-        name="ptr",
+        name=name,
         func_name="test_errors.Faulty",
         input_convention="dc",
         input_tensor_types=[1],
-        input_pointer_scalars=[0x7FFF12345678],
-        input_pointer_scalar_positions=[1],
         output_tensor_types=[1],
         output_tensor_ranks=[1],
+        **attributes,
     )
+
+
+def test_unknown_pointer_constant_is_refused():
+    node = _faulty_with_constant("ptr", input_pointer_scalars=[0x7FFF12345678], input_pointer_scalar_positions=[1])
     with pytest.raises(ORT_ERRORS, match="object key 140733498807928, which no ortbridge.pin_object call made"):
         session(model([node], [value("x", TP.FLOAT, [3])], [value("y")]))
 
@@ -407,22 +411,7 @@ def test_unknown_pointer_constant_is_refused():
     ids=["count", "not-a-list", "syntax", "unknown-tag", "not-a-dtype", "deep-nesting"],
 )
 def test_malformed_literals_are_refused_at_session_creation(text, error):
-    from onnx import helper
-
-    node = helper.make_node(
-        "PythonOp",
-        ["x"],
-        ["ctx", "y"],
-        domain="ortbridge",
-        name="lit",
-        func_name="test_errors.Faulty",
-        input_convention="dc",
-        input_tensor_types=[1],
-        input_literals=text,
-        input_literal_positions=[1],
-        output_tensor_types=[1],
-        output_tensor_ranks=[1],
-    )
+    node = _faulty_with_constant("lit", input_literals=text, input_literal_positions=[1])
     with pytest.raises(ORT_ERRORS, match=f"(?s)node 'lit'.*{re.escape(error)}"):
         session(model([node], [value("x", TP.FLOAT, [3])], [value("y")]))
 

@@ -15,7 +15,7 @@ from conftest import python_op_grad
 from onnxruntime.capi.onnxruntime_pybind11_state import RuntimeException
 
 import ortbridge
-from ortbridge import _torch_private
+from ortbridge._compat import torch_private
 
 EXPORTERS = [pytest.param(True, id="dynamo"), pytest.param(False, id="torchscript")]
 
@@ -224,7 +224,7 @@ def test_tensor_dtypes(dtype, dynamo):
     try:
         x = torch.randn(3, 2)
         proto = ortbridge.export(M(), (x,), dynamo=dynamo)
-        assert attributes(nodes(proto)[0])["input_tensor_types"] == [ortbridge._dtypes.onnx_type(dtype)]
+        assert attributes(nodes(proto)[0])["input_tensor_types"] == [ortbridge._format.dtypes.onnx_type(dtype)]
         assert_same(run(proto, x), eager(M(), x))
     finally:
         ortbridge.unregister(Twice)
@@ -574,7 +574,7 @@ def test_export_leaves_functions_and_model_as_they_were():
     for cls in (user_model.BiasGelu, user_model.NumpyTopK, torch.autograd.Function):
         assert "symbolic" not in cls.__dict__
     assert "apply" not in user_model.BiasGelu.__dict__
-    assert not _torch_private.apply_routed()
+    assert not torch_private.apply_routed()
 
 
 # -- training export ----------------------------------------------------------------------------
@@ -694,7 +694,7 @@ def test_model_calling_differently_during_export_gets_our_error_not_torchs_fallb
     # A failed export leaves every Function as it was.
     assert "apply" not in Filled.__dict__ and "symbolic" not in Filled.__dict__
     assert Filled.__dict__["forward"] is Filled_forward
-    assert not _torch_private.apply_routed()
+    assert not torch_private.apply_routed()
 
 
 def test_constant_from_a_dynamic_dim_is_refused_with_what_to_do():

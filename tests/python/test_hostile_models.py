@@ -183,16 +183,16 @@ def test_dtype_literal_does_not_reach_torch_module_loading():
     ['{"device":"cuda:99999999999"}', '{"device":"cpu\\u0000"}', '{"dtype":"Tensor"}', '{"dtype":"float8_e4m3fnuz_x"}'],
 )
 def test_bad_dtype_and_device_literals_are_refused(literal):
-    from ortbridge import _literals
+    from ortbridge._format import literals
 
     with pytest.raises(ValueError, match="unknown literal"):
-        _literals.decode(f"[{literal}]", 1)
+        literals.decode(f"[{literal}]", 1)
 
 
 def test_dtype_and_device_literals_still_decode():
-    from ortbridge import _literals
+    from ortbridge._format import literals
 
-    values = _literals.decode('[{"dtype":"bfloat16"},{"dtype":"float8_e4m3fn"},{"device":"cuda:1"}]', 3)
+    values = literals.decode('[{"dtype":"bfloat16"},{"dtype":"float8_e4m3fn"},{"device":"cuda:1"}]', 3)
     assert values == [torch.bfloat16, torch.float8_e4m3fn, torch.device("cuda:1")]
 
 

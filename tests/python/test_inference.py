@@ -10,7 +10,7 @@ from onnx import TensorProto as TP
 from onnx import helper
 
 import ortbridge
-from ortbridge import _runner
+from ortbridge._kernel import runner
 
 
 @ortbridge.register
@@ -239,7 +239,7 @@ def test_kernel_calls_run_with_grad_mode_set_and_restored(monkeypatch):
     def no_run(self, capsules):
         raise AssertionError("ForwardNode.run was called")
 
-    monkeypatch.setattr(_runner.ForwardNode, "run", no_run)
+    monkeypatch.setattr(runner.ForwardNode, "run", no_run)
     x = np.arange(3, dtype=np.float32)
     RecordsGradMode.seen.clear()
     # (grad mode outside the call is the other one: the kernel sets the call's and restores it)

@@ -284,7 +284,7 @@ def test_a_failed_capture_leaves_nothing_behind():
     with pytest.raises(ortbridge.ExportError, match="another object than in the eager run"):
         ortbridge.OrtModule(CallsWithNewObjects())(torch.randn(2, 4, requires_grad=True))
     assert ortbridge.registered_names() == before
-    assert not ortbridge._torch_private.apply_routed()
+    assert not ortbridge._compat.torch_private.apply_routed()
     with pytest.raises(ortbridge.ExportError, match="another object than in the eager run"):
         ortbridge.export(CallsWithNewObjects(), (torch.randn(2, 4),), all_functions=True)
     assert ortbridge.registered_names() == before
@@ -295,7 +295,7 @@ def test_a_node_of_a_mutating_op_never_writes_into_its_inputs():
     """A file may name a custom op that writes into its arguments: its node runs it on copies,
     and refuses the call forms that would write into ONNX Runtime's buffers (positional arguments,
     torch's _only_clone_these_* keywords); aten's in-place operators stay refused."""
-    function = ortbridge.registry.lookup(f"{NAMESPACE}::accumulate_.default")
+    function = ortbridge._kernel.lookup.lookup(f"{NAMESPACE}::accumulate_.default")
     total, x = torch.zeros(3), torch.ones(2, 3)
     (new_total,) = function.apply((-1, -1), ("total", "x"), total, x)
     assert torch.equal(new_total, torch.full((3,), 2.0)) and torch.equal(total, torch.zeros(3))
@@ -305,4 +305,4 @@ def test_a_node_of_a_mutating_op_never_writes_into_its_inputs():
         function.apply((-1, -1, -1), ("total", "x", "_only_clone_these_tensors"), total, x, ())
     assert torch.equal(total, torch.zeros(3))
     with pytest.raises(ortbridge.UnknownFunctionError, match="writes into its arguments is not allowed"):
-        ortbridge.registry.lookup("aten::add_.Tensor")
+        ortbridge._kernel.lookup.lookup("aten::add_.Tensor")

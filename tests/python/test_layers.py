@@ -13,7 +13,7 @@ import torch
 from onnxruntime.capi.onnxruntime_pybind11_state import Fail
 
 import ortbridge
-from ortbridge._torch_private import RELEASE
+from ortbridge._compat.torch_private import RELEASE
 
 nn = torch.nn
 F = torch.nn.functional

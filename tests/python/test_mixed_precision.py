@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ortbridge
-from ortbridge.core import fallback, kernels
+from ortbridge._tracing import fallback, kernels
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach a hub
 nn = torch.nn

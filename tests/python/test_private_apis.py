@@ -1,5 +1,5 @@
 """Every private API of torch and onnxruntime that the package uses goes through one module each
-(ortbridge/_torch_private.py, ortbridge/_ort_private.py), where the branches per release are.
+(ortbridge/_compat/torch_private.py, ortbridge/_compat/ort_private.py), where the branches per release are.
 Two checks of every other module's source:
 - a module path with a component that starts with an underscore (torch._C, torch.utils._pytree,
   torch.onnx._internal, torch.autograd.function._is_setup_context_defined,
@@ -24,7 +24,7 @@ PACKAGE = ROOT / "python" / "ortbridge"
 # paths read (a function call more each time would cost): allowed anywhere.
 OBJECT_ATTRIBUTES_ALLOWED = {"_version", "_is_view", "_schema", "_overloadname"}
 ROOTS = ("torch", "onnxruntime")
-HOMES = {"torch": "_torch_private.py", "onnxruntime": "_ort_private.py"}
+HOMES = {"torch": "_compat/torch_private.py", "onnxruntime": "_compat/ort_private.py"}
 _IN_STRING = re.compile(r"\b(?:torch|onnxruntime)(?:\.\w+)+")
 
 
@@ -127,7 +127,7 @@ def private_attributes(source: str, own: set[str]) -> list[tuple[int, str]]:
 
 
 def _outside_the_private_modules() -> list[Path]:
-    return [p for p in sorted(PACKAGE.rglob("*.py")) if not (p.parent == PACKAGE and p.name in HOMES.values())]
+    return [p for p in sorted(PACKAGE.rglob("*.py")) if str(p.relative_to(PACKAGE)) not in HOMES.values()]
 
 
 def test_no_other_module_reads_private_attributes_of_objects():
@@ -138,9 +138,7 @@ def test_no_other_module_reads_private_attributes_of_objects():
         for p in files
         for line, name in private_attributes(p.read_text(), own)
     ]
-    assert not found, "private attributes read outside ortbridge/_torch_private.py and _ort_private.py:\n" + "\n".join(
-        found
-    )
+    assert not found, "private attributes read outside ortbridge/_compat/:\n" + "\n".join(found)
 
 
 def test_the_attribute_check_finds_what_the_package_does_not_define():
@@ -155,9 +153,7 @@ def test_only_the_private_modules_use_private_apis():
     outside = []
     for path in _outside_the_private_modules():
         outside += [f"{path.relative_to(PACKAGE)}:{line}: {name}" for line, name in private_uses(path.read_text())]
-    assert not outside, "private APIs used outside ortbridge/_torch_private.py and _ort_private.py:\n" + "\n".join(
-        outside
-    )
+    assert not outside, "private APIs used outside ortbridge/_compat/:\n" + "\n".join(outside)
 
 
 @pytest.mark.parametrize("root", ROOTS)

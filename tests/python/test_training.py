@@ -17,7 +17,7 @@ import training_functions as tf
 from training_functions import Apply
 
 import ortbridge
-from ortbridge import _torch_private
+from ortbridge._compat import torch_private
 
 F = torch.nn.functional
 
@@ -468,16 +468,16 @@ def test_thousand_steps_keep_memory_flat():
 def test_a_context_outlives_its_outputs_where_its_node_is_kept(owner):
     # A training PythonOp keeps a Function's context after ORT took its outputs' values. Up to
     # torch 2.12 the context does not own its autograd node, and what it saved goes with the node:
-    # _torch_private.node_owner keeps the node. The release branch is checked here too: without an
+    # torch_private.node_owner keeps the node. The release branch is checked here too: without an
     # owner, the context outlives its outputs exactly where CONTEXT_OWNS_NODE says it does.
-    assert (_torch_private.node_owner is None) == _torch_private.CONTEXT_OWNS_NODE
+    assert (torch_private.node_owner is None) == torch_private.CONTEXT_OWNS_NODE
     x = torch.randn(3, requires_grad=True)
     out = tf.SiLUSavingInput.apply(x)
     ctx = out.grad_fn
-    kept = _torch_private._node_owner(out) if owner else None
+    kept = torch_private._node_owner(out) if owner else None
     del out
     gc.collect()
-    if owner or _torch_private.CONTEXT_OWNS_NODE:
+    if owner or torch_private.CONTEXT_OWNS_NODE:
         (saved,) = ctx.saved_tensors
         assert torch.equal(saved, x)
     else:
@@ -633,7 +633,7 @@ def test_captures_on_two_threads_leave_apply_as_it_was():
     for t in threads:
         t.join()
     assert not errors, errors
-    assert torch.autograd.Function.__dict__["apply"] is base_apply and not _torch_private.apply_routed()
+    assert torch.autograd.Function.__dict__["apply"] is base_apply and not torch_private.apply_routed()
     assert "apply" not in vars(tf.BiasGelu)
     assert not torch.compiler.is_compiling()  # (the record runs' and traces' compiling state, set one at a time)
 

@@ -7,7 +7,7 @@ from conftest import DEVICE_PATH, NewStyle, T, model, python_op, python_op_grad,
 from onnx import TensorProto as TP
 
 import ortbridge
-from ortbridge import _runner
+from ortbridge._kernel import runner
 
 
 @ortbridge.register
@@ -34,16 +34,21 @@ class MulSum(torch.autograd.Function):
         return gy * w * ctx.alpha + gs, None, gy * x * ctx.alpha + gs
 
 
-def mulsum_model(present=(True, True), wanted=(True, True)) -> bytes:
-    """MulSum's forward and backward in one graph: inputs x, w (any length), gy, gs (those
-    `present`); outputs y, s, gx, gw (the gradients `wanted`)."""
-    fw = python_op(
+def mulsum_forward():
+    """MulSum's training forward node: inputs x, 0.3, w; outputs its context id, y, s."""
+    return python_op(
         MulSum,
         [T("x", requires_grad=True), 0.3, T("w", requires_grad=True)],
         [(TP.FLOAT, 1), (TP.FLOAT, 0)],
         out_names=["y", "s"],
         training=True,
     )
+
+
+def mulsum_model(present=(True, True), wanted=(True, True)) -> bytes:
+    """MulSum's forward and backward in one graph: inputs x, w (any length), gy, gs (those
+    `present`); outputs y, s, gx, gw (the gradients `wanted`)."""
+    fw = mulsum_forward()
     bw = python_op_grad(
         MulSum,
         "dcd",
@@ -268,13 +273,7 @@ def test_backward_never_runs_when_no_output_needs_a_gradient():
 def cross_session_models() -> tuple[bytes, bytes]:
     """(forward, backward): MulSum's forward alone (inputs x, w of length 3; outputs ctx, the
     context id, y, s) and its backward alone (inputs ctx, gy, gs; outputs gx, gw)."""
-    fw = python_op(
-        MulSum,
-        [T("x", requires_grad=True), 0.3, T("w", requires_grad=True)],
-        [(TP.FLOAT, 1), (TP.FLOAT, 0)],
-        out_names=["y", "s"],
-        training=True,
-    )
+    fw = mulsum_forward()
     forward = model(
         [fw], [value("x", shape=[3]), value("w", shape=[3])], [value("ctx", TP.INT64), value("y"), value("s")]
     )
@@ -409,8 +408,8 @@ def test_training_calls_are_made_by_the_kernel(monkeypatch):
     def no_run(self, *args):
         raise AssertionError(f"{type(self).__name__}.run was called")
 
-    monkeypatch.setattr(_runner.ForwardNode, "run", no_run)
-    monkeypatch.setattr(_runner.BackwardNode, "run", no_run)
+    monkeypatch.setattr(runner.ForwardNode, "run", no_run)
+    monkeypatch.setattr(runner.BackwardNode, "run", no_run)
     rng = np.random.default_rng(3)
     x, w, gy = (rng.standard_normal(6).astype(np.float32) for _ in range(3))
     gs = np.asarray(rng.standard_normal(), np.float32)

@@ -8,7 +8,7 @@ import re
 import tomllib
 from pathlib import Path
 
-from ortbridge import _torch_private
+from ortbridge._compat import torch_private
 
 ROOT = Path(__file__).parents[2]
 
@@ -37,7 +37,7 @@ def test_declared_minimums_are_the_versions_ci_tests():
     cells = _ci_cells()
     ort_versions = re.search(r"ORT_COMPAT_VERSIONS-([0-9. ]+)\}", (ROOT / "scripts" / "test.sh").read_text()).group(1)
     assert minor(floors["torch"]) == min(minor(t) for t, _ in cells)
-    assert minor(floors["torch"]) == _torch_private.OLDEST
+    assert minor(floors["torch"]) == torch_private.OLDEST
     assert minor(floors["onnxruntime"]) == min(minor(v) for v in ort_versions.split())
     assert minor(project["requires-python"].removeprefix(">=")) == min(minor(p) for _, p in cells)
 

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 import ortbridge
-from ortbridge._torch_private import RELEASE
+from ortbridge._compat.torch_private import RELEASE
 
 # Before torch 2.13, apply binds a setup_context Function's keyword arguments but then passes them
 # on to its C function, which refuses them ("apply() takes no keyword arguments"), in eager too.

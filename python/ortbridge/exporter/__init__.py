@@ -13,9 +13,9 @@ import os
 import onnx
 import torch
 
-from ..core.functions import ExportError
-from ..core.nodes import DOMAIN, name_nodes, quiet_exporter, rename_values, unname_unread_context_ids
-from ..core.record import Recorder
+from .._tracing.functions import ExportError
+from .._tracing.nodes import DOMAIN, name_nodes, quiet_exporter, rename_values, unname_unread_context_ids
+from .._tracing.record import Recorder
 from . import dynamo as _dynamo
 from . import torchscript as _torchscript
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from .._torch_private import fx_config
-from ..core import fallback
-from ..core.interception import intercepted
-from ..core.nodes import emit_python_op
-from ..core.record import Call, CallTable
+from .._compat.torch_private import fx_config
+from .._tracing import fallback
+from .._tracing.interception import intercepted
+from .._tracing.nodes import emit_python_op
+from .._tracing.record import Call, CallTable
 from . import dims
 
 

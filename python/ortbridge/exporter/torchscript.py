@@ -16,11 +16,11 @@ import onnx
 import torch
 
 from .. import registry
-from .._torch_private import TensorType, Value, get_tracing_state, set_tracing_state
-from ..core.functions import ExportError
-from ..core.interception import class_attributes_set
-from ..core.nodes import DOMAIN, Arguments
-from ..core.record import Call
+from .._compat.torch_private import TensorType, Value, get_tracing_state, set_tracing_state
+from .._tracing.functions import ExportError
+from .._tracing.interception import class_attributes_set
+from .._tracing.nodes import DOMAIN, Arguments
+from .._tracing.record import Call
 from . import dims
 
 

@@ -30,8 +30,7 @@ from torch.fx.experimental.symbolic_shapes import (
 )
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .._copying import NotCopyable
-from .._torch_private import (
+from .._compat.torch_private import (
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensorMode,
@@ -42,8 +41,9 @@ from .._torch_private import (
     pytree,
     tracing,
 )
-from ..core.interception import intercepted
-from ..core.record import CallTable, Recorder
+from .._copying import NotCopyable
+from .._tracing.interception import intercepted
+from .._tracing.record import CallTable, Recorder
 from . import ops
 from .fx_passes import DECOMPOSITIONS, tiled_pads_as_cat
 from .model_state import CaptureError, attributes, refuse_changes, refuse_mistraced

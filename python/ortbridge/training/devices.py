@@ -6,7 +6,7 @@ from __future__ import annotations
 import onnxruntime as ort
 import torch
 
-from .._ort_private import c_device
+from .._compat.ort_private import c_device
 
 _streams: dict = {}  # CUDA device -> the stream ONNX Runtime runs every graph on there
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .._torch_private import decomposition_table, get_decompositions
+from .._compat.torch_private import decomposition_table, get_decompositions
 
 aten = torch.ops.aten
 

@@ -19,7 +19,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 from torch.utils.hooks import RemovableHandle
 
-from .._torch_private import MODULE_INTERNALS, global_module_hooks, module_hooks
+from .._compat.torch_private import MODULE_INTERNALS, global_module_hooks, module_hooks
 
 
 class CaptureError(RuntimeError):

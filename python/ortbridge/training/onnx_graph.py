@@ -14,11 +14,11 @@ import onnx
 import sympy
 import torch
 
+from .._compat.torch_private import FloorDiv, PythonPrinter, unset_fake_temporarily
 from .._copying import NotCopyable
-from .._torch_private import FloorDiv, PythonPrinter, unset_fake_temporarily
-from ..core import fallback
-from ..core.nodes import DOMAIN, emit_python_op, name_nodes, quiet_exporter, unname_unread_context_ids
-from ..core.record import size_hint
+from .._tracing import fallback
+from .._tracing.nodes import DOMAIN, emit_python_op, name_nodes, quiet_exporter, unname_unread_context_ids
+from .._tracing.record import size_hint
 from . import ops
 
 log = logging.getLogger("ortbridge")
@@ -242,7 +242,7 @@ class OnnxGraph(NotCopyable):
         # Every context id leaves the graph in a tensor that owns it: one backward does not need
         # (its Function's outputs were not differentiable here) is released after the run.
         # Each computed tensor a Function saves for backward leaves it too, into a buffer the run
-        # lends the Function (_runner.lending): saved without a copy, and alive while saved.
+        # lends the Function (runner.lending): saved without a copy, and alive while saved.
         self.lent: list[int] = []  # indices in `computed` of those tensors
         for node in list(graph.nodes):
             if training and node.target is _PYTHON_OP:

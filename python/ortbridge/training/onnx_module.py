@@ -18,7 +18,7 @@ import onnxruntime as ort
 import torch
 from onnx import numpy_helper
 
-from .._torch_private import IncompatibleKeys
+from .._compat.torch_private import IncompatibleKeys
 from . import ort_gradient
 from .module import OrtModule
 from .onnx_to_torch import OnnxGraphModule, float_initializers

@@ -19,9 +19,11 @@ import torch
 import torch.nn.functional as F
 from onnx import numpy_helper
 
-from .. import _dtypes, _runner, registry
-from .._torch_private import bound_apply, disable_current_modes
-from ..core.nodes import DOMAIN
+from .._compat.torch_private import bound_apply, disable_current_modes
+from .._format import dtypes
+from .._kernel import runner
+from .._kernel.lookup import lookup
+from .._tracing.nodes import DOMAIN
 
 
 class ConversionError(NotImplementedError):
@@ -46,7 +48,7 @@ def _axis(axis: int, rank: int) -> int:
 
 
 def _dtype(onnx_type: int) -> torch.dtype:
-    return _dtypes.FROM_ONNX[onnx_type]
+    return dtypes.FROM_ONNX[onnx_type]
 
 
 def _pads(pads: list, rank: int) -> list:
@@ -569,11 +571,11 @@ def _python_op(node: onnx.NodeProto, tensors: list) -> tuple:
             value = onnx.helper.get_attribute_value(a)
             kinds[a.type][a.name] = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
     try:
-        layout = _runner.parse_forward(*kinds.values(), len(node.input), len(node.output))
+        layout = runner.parse_forward(*kinds.values(), len(node.input), len(node.output))
     except ValueError as e:
         raise ConversionError(str(e)) from e
-    func = registry.lookup(layout.func_name)
-    args = _runner.arguments(layout)
+    func = lookup(layout.func_name)
+    args = runner.arguments(layout)
     for position, tensor in zip(layout.tensor_positions, tensors):
         args[position] = tensor
     outputs = bound_apply(func)(*args)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import _dtypes
-from ..core.nodes import Arguments
-from ..core.record import Call
+from .._format import dtypes
+from .._tracing.nodes import Arguments
+from .._tracing.record import Call
 
 
 class TracedCall:
@@ -43,7 +43,7 @@ class TracedCall:
             input_tensor_types=self.call.attrs["output_tensor_types"],
             input_tensor_ranks=self.call.attrs["output_tensor_ranks"],
             input_tensor_present=[int(p) for p in present],
-            output_tensor_types=[_dtypes.onnx_type(d) for d in self.input_dtypes],
+            output_tensor_types=[dtypes.onnx_type(d) for d in self.input_dtypes],
             output_tensor_ranks=[len(s) for s in self.input_shapes],
             output_tensor_requires_grads=[int(r) for r in self.requires_grad],
         )

@@ -15,10 +15,10 @@ import onnxruntime as ort
 import torch
 
 from .. import convert, runtime
+from .._compat.ort_private import c_session
+from .._compat.ort_private import training_c as _ort_c
 from .._copying import NotCopyable
-from .._ort_private import c_session
-from .._ort_private import training_c as _ort_c
-from ..core.nodes import DOMAIN, unname_unread_context_ids
+from .._tracing.nodes import DOMAIN, unname_unread_context_ids
 
 _MICROSOFT = "com.microsoft"
 _FLOATING = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)

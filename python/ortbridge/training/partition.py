@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .._torch_private import default_partition
+from .._compat.torch_private import default_partition
 from .onnx_graph import is_context_id
 
 aten = torch.ops.aten

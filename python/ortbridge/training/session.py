@@ -18,12 +18,13 @@ import onnxruntime as ort
 import onnxruntime.capi.onnxruntime_pybind11_state as ort_capi
 import torch
 
-from .. import _dtypes, runtime
+from .. import runtime
+from .._compat.ort_private import c_session
+from .._compat.torch_private import storage_users, tensor_use_count
 from .._copying import NotCopyable
-from .._ort_private import c_session
-from .._runner import context_ids_tensor, lending
-from .._torch_private import storage_users, tensor_use_count
-from ..core import fallback, kernels
+from .._format import dtypes
+from .._kernel.runner import context_ids_tensor, lending
+from .._tracing import fallback, kernels
 from .devices import cuda_stream, execution_providers, ort_device, placeholder_address
 from .onnx_graph import OnnxGraph
 from .threads import SpinningTrial, default_session_options, one_torch_thread
@@ -119,11 +120,11 @@ class GraphSession(NotCopyable):
         # per tensor). Context ids are bound once per binding instead (see _Binding).
         on_device = ort_device(graph.device)
         self.input_bindings = [
-            (name, k, ort_device(value.device), _dtypes.numpy_type(value.dtype), value)
+            (name, k, ort_device(value.device), dtypes.numpy_type(value.dtype), value)
             for name, k, value in zip(input_names, graph.tensor_inputs, graph.input_values)
         ]
         self.output_bindings = [
-            (name, on_device, _dtypes.numpy_type(dtype))
+            (name, on_device, dtypes.numpy_type(dtype))
             for name, (dtype, is_context) in zip(output_names, graph.outputs)
             if not is_context
         ]
@@ -338,9 +339,9 @@ class _Binding(NotCopyable):
         self.kept: dict[int, torch.Tensor] = {}  # output index -> the last run's tensor (recycled outputs)
         self.ids_in = torch.zeros(len(context_inputs), dtype=torch.int64)
         self.ids_out = torch.zeros(len(context_outputs), dtype=torch.int64)
-        # The saved ones (the first), as a numpy view that _runner.context_ids_tensor reads.
+        # The saved ones (the first), as a numpy view that runner.context_ids_tensor reads.
         self.saved_ids = self.ids_out.numpy()[:saved_contexts] if saved_contexts else None
-        cpu, int64 = ort_device(torch.device("cpu")), _dtypes.numpy_type(torch.int64)
+        cpu, int64 = ort_device(torch.device("cpu")), dtypes.numpy_type(torch.int64)
         for j, name in enumerate(context_inputs):
             self.ort.bind_input(name, cpu, int64, [], self.ids_in.data_ptr() + 8 * j)
         for j, name in enumerate(context_outputs):

@@ -18,7 +18,7 @@ import operator
 import torch
 
 from .._copying import NotCopyable
-from ..core.record import size_hint
+from .._tracing.record import size_hint
 from .session import GraphSession
 
 # Gradients per stage when the step counts its stages itself (Step.stages_for): a stage's run costs

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .._copying import NotCopyable
-from .._torch_private import (
+from .._compat.torch_private import (
     MutationType,
     OutputType,
     direct_apply,
@@ -26,6 +25,7 @@ from .._torch_private import (
     opaque_objects_saved,
     saved_for_backward,
 )
+from .._copying import NotCopyable
 from .stages import StagedBackward
 
 

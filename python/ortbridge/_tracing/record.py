@@ -8,8 +8,15 @@ import contextlib
 import onnx
 import torch
 
-from .. import _dtypes, _torch_private, registry
-from .._torch_private import CUSTOM_OP_AUTOGRAD_MODULE, DYNAMO_FUNCTION_MODULE, pytree, saved_tensors_hooks_enabled
+from .. import registry
+from .._compat import torch_private
+from .._compat.torch_private import (
+    CUSTOM_OP_AUTOGRAD_MODULE,
+    DYNAMO_FUNCTION_MODULE,
+    pytree,
+    saved_tensors_hooks_enabled,
+)
+from .._format import dtypes
 from .functions import ExportError, bind
 from .interception import intercepted
 from .nodes import DOMAIN, Arguments
@@ -54,7 +61,7 @@ class Call:
         self.output_shapes = [tuple(o.shape) for o in outputs]
         self.attrs = dict(
             arguments.attrs,
-            output_tensor_types=[_dtypes.onnx_type(d) for d in self.output_dtypes],
+            output_tensor_types=[dtypes.onnx_type(d) for d in self.output_dtypes],
             output_tensor_ranks=[len(s) for s in self.output_shapes],
             training_mode=int(training),
         )
@@ -133,7 +140,7 @@ def size_hint(dim) -> int:
 
 class CallTable:
     """The recorded calls, looked up by each traced call: same Function, constants (objects by
-    what they are: core.nodes._kind), input dtypes and example sizes; then, among those, the one
+    what they are: _tracing.nodes._kind), input dtypes and example sizes; then, among those, the one
     whose tensor inputs needed a gradient where the traced call's do (which outputs are
     differentiable depends on it: f(x, 1.0) on a parameter's path and on a constant tensor)."""
 
@@ -274,7 +281,7 @@ class Recorder:
                 torch.random.fork_rng(devices=cuda),
                 grad,
                 intercepted(None, self._apply),
-                _torch_private.compiling_state_context() if self.compiling else contextlib.nullcontext(),
+                torch_private.compiling_state_context() if self.compiling else contextlib.nullcontext(),
                 _saved_tensor_hooks(_detached),
             ):
                 model(*args, **kwargs)

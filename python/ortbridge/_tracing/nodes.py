@@ -13,8 +13,9 @@ import warnings
 import onnx
 import torch
 
-from .. import _dtypes, _literals, registry
-from .._torch_private import ONNX_REGISTRATION_LOGGER
+from .. import registry
+from .._compat.torch_private import ONNX_REGISTRATION_LOGGER
+from .._format import dtypes, literals
 from .functions import ExportError
 
 DOMAIN = "ortbridge"
@@ -72,7 +73,7 @@ class Arguments:
         convention = []
         scalars = {"bool": ([], []), "int": ([], []), "float": ([], []), "pointer": ([], [])}
         tuples = {"bool": ([], [], []), "int": ([], [], []), "float": ([], [], [])}
-        literals, literal_positions = [], []
+        json_values, literal_positions = [], []
         for position, arg in enumerate(args):
             if isinstance(arg, tensor_type):
                 convention.append("d")
@@ -93,8 +94,8 @@ class Arguments:
                 begins.append(len(values))
                 values.extend(arg)
                 positions.append(position)
-            elif _literals.encodable(arg):
-                literals.append(arg)
+            elif literals.encodable(arg):
+                json_values.append(arg)
                 literal_positions.append(position)
             elif _contains(arg, torch.Tensor):
                 raise ExportError(
@@ -128,8 +129,8 @@ class Arguments:
                 attrs[f"input_{kind}_tuple_begins"] = begins
         if tuples["float"][0]:
             attrs["input_float_tuples_f64"] = [_f64_bits(v) for v in tuples["float"][0]]
-        if literals:
-            attrs["input_literals"] = _literals.encode(literals)
+        if json_values:
+            attrs["input_literals"] = literals.encode(json_values)
             attrs["input_literal_positions"] = literal_positions
         self.constants = attrs  # what the constant arguments make of the node
 
@@ -140,7 +141,7 @@ class Arguments:
             return dict(self.constants)
         return dict(
             self.constants,
-            input_tensor_types=[_dtypes.onnx_type(t.dtype) for t in self.tensors],
+            input_tensor_types=[dtypes.onnx_type(t.dtype) for t in self.tensors],
             input_tensor_ranks=[t.dim() for t in self.tensors],
         )
 

@@ -22,8 +22,11 @@ import traceback
 import torch
 from torch.autograd.function import FunctionCtx
 
-from . import _C, _dtypes, _literals, _torch_private, registry
-from ._torch_private import direct_apply, unrouted_apply, uses_setup_context
+from .. import _C, registry
+from .._compat import torch_private
+from .._compat.torch_private import direct_apply, unrouted_apply, uses_setup_context
+from .._format import dtypes, literals
+from .lookup import lookup
 
 # The names the C++ kernels call (csrc/runner_api.cc resolves each once: the two lists are the same,
 # tests/python/test_layout.py checks): of this module, and of its node objects (ForwardNode,
@@ -47,15 +50,15 @@ KERNEL_NAMES = (
 NODE_NAMES = ("func", "run", "direct", "result", "use_stream", "restore_stream", "copy_into", "fill")
 
 Tensor = torch.Tensor
-_from_dlpack = _torch_private.from_dlpack
+_from_dlpack = torch_private.from_dlpack
 _to_dlpack = torch.utils.dlpack.to_dlpack
 _is_grad_enabled = torch.is_grad_enabled
-_set_grad_enabled = _torch_private.set_grad_enabled
-_functorch_active = _torch_private.functorch_transforms_active
-_node_owner = _torch_private.node_owner  # (None where a context owns its autograd node)
+_set_grad_enabled = torch_private.set_grad_enabled
+_functorch_active = torch_private.functorch_transforms_active
+_node_owner = torch_private.node_owner  # (None where a context owns its autograd node)
 # (csrc/saved_tensors.cc installs its hooks with these)
-_push_saved_hooks = _torch_private.push_saved_tensors_default_hooks
-_pop_saved_hooks = _torch_private.pop_saved_tensors_default_hooks
+_push_saved_hooks = torch_private.push_saved_tensors_default_hooks
+_pop_saved_hooks = torch_private.pop_saved_tensors_default_hooks
 
 
 _refused = threading.local()  # .error: the last UnknownFunctionError of a node made on this thread
@@ -65,7 +68,7 @@ def _function(name: str) -> type:
     """The Function a node names. A refused name is kept for take_refusal: ONNX Runtime turns the
     error into text of its own, which an `except UnknownFunctionError` would not catch."""
     try:
-        return registry.lookup(name)
+        return lookup(name)
     except registry.UnknownFunctionError as e:
         _refused.error = e
         raise
@@ -152,9 +155,9 @@ def arguments(layout) -> list:
     args = [None] * len(layout.input_convention)
     constants = layout.constants
     literal_count = sum(c.kind == _Kind.LITERAL for c in constants)
-    literals = _literals.decode(layout.literals, literal_count) if literal_count else []
+    decoded = literals.decode(layout.literals, literal_count) if literal_count else []
     for c in constants:
-        args[c.position] = literals[c.ints[0]] if c.kind == _Kind.LITERAL else _CONSTANT_VALUE[c.kind](c)
+        args[c.position] = decoded[c.ints[0]] if c.kind == _Kind.LITERAL else _CONSTANT_VALUE[c.kind](c)
     return args
 
 
@@ -404,7 +407,7 @@ class BackwardNode(_Node):
         grads = [None if c is None else _from_dlpack(c) for c in capsules]
         if absent and getattr(ctx, "_ortbridge_materialize_grads", True):
             for slot, (shape, onnx_type) in absent.items():
-                grads[slot] = torch.zeros(shape, dtype=_dtypes.FROM_ONNX[onnx_type], device=self.device)
+                grads[slot] = torch.zeros(shape, dtype=dtypes.FROM_ONNX[onnx_type], device=self.device)
         grad_was_enabled = _is_grad_enabled()
         if grad_was_enabled:
             _set_grad_enabled(False)

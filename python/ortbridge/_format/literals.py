@@ -13,7 +13,7 @@ import re
 
 import torch
 
-from . import _dtypes
+from . import dtypes
 
 # The device literals a model may name: fixed types, a small index (torch's is 8 bits).
 _DEVICE = re.compile(r"(cpu|cuda|meta|mps|xpu)(:[0-9]{1,2})?")
@@ -59,8 +59,8 @@ def _untag(obj: dict):
             and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in body)
         ):
             return dict(body)
-        if tag == "dtype" and isinstance(body, str) and body in _dtypes.BY_NAME:
-            return _dtypes.BY_NAME[body]
+        if tag == "dtype" and isinstance(body, str) and body in dtypes.BY_NAME:
+            return dtypes.BY_NAME[body]
         if tag == "device" and isinstance(body, str) and _DEVICE.fullmatch(body):
             return torch.device(body)
     raise ValueError(f"unknown literal {json.dumps(obj)[:80]}")

@@ -21,8 +21,8 @@ import torch
 from torch.export.graph_signature import TensorArgument
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
 
-from .. import _dtypes, operators
-from .._torch_private import (
+from .. import operators
+from .._compat.torch_private import (
     OpOverload,
     detect_fake_mode,
     fx_config,
@@ -35,6 +35,8 @@ from .._torch_private import (
     remove_effect_tokens,
     rename_node,
 )
+from .._format import dtypes
+from .._kernel.lookup import AFTER, DIM_ORDERS, flatten_outputs, operator_function
 from .functions import ExportError
 from .nodes import Arguments, emit_python_op
 from .record import size_hint
@@ -215,7 +217,7 @@ def exportable(
         for node in fallbacks:
             op = _operator(node)
             try:  # (what a model file could not name, the exporter does not write either)
-                operators.function(operators.name_of(op))
+                operator_function(operators.name_of(op))
             except LookupError as e:
                 if operators.allowed(op.namespace):
                     raise ExportError(
@@ -339,7 +341,7 @@ def _emit_in_place(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
         return node.target(*args, **kwargs)
 
     values = [a.meta["val"] for a in inputs]
-    with detect_fake_mode([*values, *operators.flatten_outputs(node.meta["val"])]):
+    with detect_fake_mode([*values, *flatten_outputs(node.meta["val"])]):
         traced = make_fx(call)(*values)
     for emitted in (n for n in traced.graph.nodes if n.op == "call_function"):
         # Named after the node they replace: the graph's namespace does not know the names
@@ -421,23 +423,23 @@ def _emitter(target):
             args = args[1:]
         else:
             result = _masked(op, result, args, kwargs)
-        outputs = operators.flatten_outputs(result)
+        outputs = flatten_outputs(result)
         if _random(op):
             orders = tuple(
                 (k, order)
                 for k, a in enumerate(args)
                 if isinstance(a, torch.Tensor) and (order := _dim_order(a)) is not None
             )
-            kwargs = {**kwargs, operators.DIM_ORDERS: orders} if orders else kwargs
+            kwargs = {**kwargs, DIM_ORDERS: orders} if orders else kwargs
         layout, keywords, values = _layout(args, kwargs)
         if after is not None:
-            layout, values = (*layout, operators.AFTER), [*values, after]
+            layout, values = (*layout, AFTER), [*values, after]
         arguments = Arguments(name, (layout, keywords, *values), pin=False)
         if arguments.objects:
             raise ExportError(f"operator {name} has an argument ONNX cannot hold: {arguments.objects}")
         attrs = dict(
             arguments.attrs,
-            output_tensor_types=[_dtypes.onnx_type(t.dtype) for t in outputs],
+            output_tensor_types=[dtypes.onnx_type(t.dtype) for t in outputs],
             output_tensor_ranks=[t.dim() for t in outputs],
             training_mode=0,
             safe_run_mode=0,

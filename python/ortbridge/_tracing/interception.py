@@ -3,7 +3,7 @@
 A model reaches a Function's apply in many ways: `Fn.apply(x)` in forward, `self.act = Fn.apply`
 stored at construction, a module-level alias, a closure, functools.partial, an `apply` override
 that calls super().apply. All of them end in one function of torch's, so routing is done there,
-while a hook is active (_torch_private.route_apply: a Python function's code object up to torch
+while a hook is active (torch_private.route_apply: a Python function's code object up to torch
 2.13, a C function's method entry from 2.14): every way in is seen. Hooks are one thread at a
 time; other threads, and Functions the hook did not ask for, run torch's apply unchanged.
 """
@@ -16,7 +16,7 @@ import threading
 
 import torch
 
-from .._torch_private import route_apply, torch_apply, unroute_apply
+from .._compat.torch_private import route_apply, torch_apply, unroute_apply
 
 
 def _route(cls, args, kwargs):

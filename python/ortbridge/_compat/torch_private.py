@@ -135,13 +135,13 @@ def uses_setup_context(func: type) -> bool:
     return _is_setup_context_defined(func.setup_context)
 
 
-# Function.apply routed, for core/interception.py: every way of reaching apply (Fn.apply, a bound
+# Function.apply routed, for _tracing/interception.py: every way of reaching apply (Fn.apply, a bound
 # method stored before, an alias, a closure, functools.partial, super().apply in an override) ends
 # in one function object, whose behavior is changed while routed; outside, a call costs what it did.
 if APPLY_IN_C:
     # The method entry of torch's C function (csrc/apply_route.h); torch's own function stays
     # callable beside it.
-    from . import _C
+    from .. import _C
 
     torch_apply = _C._unrouted_apply(FUNCTION_BASE_APPLY)  # torch_apply(cls, *args, **kwargs)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 
-from .._torch_private import uses_setup_context
+from .._compat.torch_private import uses_setup_context
 
 
 class ExportError(TypeError):

@@ -3,7 +3,7 @@
 import onnxruntime as ort
 import torch
 
-from . import _C
+from .. import _C
 
 # Every torch dtype by its name (torch.float32 -> "float32"): a fixed table, so that a name from a
 # model file never reaches getattr(torch, ...) and torch's lazy module loader.
