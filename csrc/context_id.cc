@@ -4,7 +4,7 @@
 #include <unordered_set>
 
 #include "dlpack.h"
-#include "proxy.h"
+#include "run_scope.h"
 
 namespace ortbridge {
 namespace {

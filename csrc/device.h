@@ -7,7 +7,7 @@
 
 #include "dlpack.h"
 #include "ort_util.h"
-#include "proxy.h"
+#include "python_call.h"
 
 namespace ortbridge {
 

@@ -9,7 +9,7 @@
 
 #include "device.h"
 #include "ort_util.h"
-#include "proxy.h"
+#include "python_call.h"
 
 namespace ortbridge {
 

@@ -10,7 +10,7 @@
 #include "custom_op.h"
 #include "element_types.h"
 #include "kernel_io.h"
-#include "proxy.h"
+#include "run_scope.h"
 #include "runner_api.h"
 #include "saved_tensors.h"
 
@@ -43,6 +43,13 @@ void MadeByKernelsOnly(py::class_<T>& cls) {
   type->tp_new = RefuseNew;
   PyType_Modified(type);
 }
+
+// What _C._kernels() says of each custom op (tests/python/test_device_path.py).
+struct KernelDescription {
+  std::string op, provider;
+  bool via_torch = false;
+  std::vector<std::string> input_memory;
+};
 
 // The kernel<->runner contract: the parsed node, read-only, from which ortbridge._kernel.runner builds
 // its node (every Python value of a constant is made there).
@@ -135,25 +142,34 @@ PYBIND11_MODULE(_C, m) {
   m.def("skipped_output_copies", &ortbridge::SkippedOutputCopies,
         "Outputs written without a copy since the process started: the Function wrote in place into the "
         "buffer ONNX Runtime gave the output.");
+  py::class_<KernelDescription> kernel(m, "KernelDescription",
+                                       "One custom op the library registers with ORT.");
+  kernel.def_readonly("op", &KernelDescription::op)
+      .def_readonly("provider", &KernelDescription::provider)
+      .def_readonly("via_torch", &KernelDescription::via_torch, "Whether it takes the device path.")
+      .def_readonly("input_memory", &KernelDescription::input_memory,
+                    "Where ORT puts inputs 0 and 1: 'cpu' or 'default' (the provider's device).");
+  MadeByKernelsOnly(kernel);
   m.def(
       "_kernels",
       [] {
         using ortbridge::Backend;
-        py::list kernels;
+        std::vector<KernelDescription> kernels;
         for (Backend backend : {Backend::kCpu, Backend::kCuda, Backend::kCpuViaTorch}) {
           for (const OrtCustomOp* op : {ortbridge::PythonOp(backend), ortbridge::PythonOpGrad(backend)}) {
             const char* provider = op->GetExecutionProviderType(op);
-            py::list memory;
-            for (size_t i = 0; i < 2; ++i) {
-              memory.append(op->GetInputMemoryType(op, i) == OrtMemTypeCPUInput ? "cpu" : "default");
-            }
-            kernels.append(py::make_tuple(op->GetName(op), provider ? provider : "CPUExecutionProvider",
-                                          backend == Backend::kCpuViaTorch, memory));
+            KernelDescription& k = kernels.emplace_back();
+            k.op = op->GetName(op);
+            k.provider = provider ? provider : "CPUExecutionProvider";
+            k.via_torch = backend == Backend::kCpuViaTorch;
+            for (size_t i = 0; i < 2; ++i)
+              k.input_memory.push_back(op->GetInputMemoryType(op, i) == OrtMemTypeCPUInput ? "cpu"
+                                                                                           : "default");
           }
         }
         return kernels;
       },
-      "(op, execution provider, takes the device path, memory types of inputs 0 and 1) of every kernel.");
+      "Every kernel of the library.");
   m.def(
       "parse_forward",
       [](std::map<std::string, int64_t> ints, std::map<std::string, std::string> strings,
@@ -230,10 +246,11 @@ PYBIND11_MODULE(_C, m) {
         py::dict names;
         names["module"] = ortbridge::RunnerNames();
         names["node"] = ortbridge::NodeNames();
+        names["direct_call"] = ortbridge::DirectCallNames();
         return names;
       },
       "The Python names the kernels call: {'module': of ortbridge._kernel.runner, 'node': of its node "
-      "objects}.");
+      "objects, 'direct_call': of a ForwardNode's DirectCall}.");
   m.def("_shutdown", &ortbridge::Shutdown);
   py::module_::import("atexit").attr("register")(m.attr("_shutdown"));
 }

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "kernel_io.h"
+#include "run_scope.h"
 
 namespace ortbridge {
 

@@ -232,8 +232,9 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
 
   bool context_id_output_ = true;  // whether output 0 has a value name
 
-  // ForwardNode.direct: what CallDirect calls, its arguments (None in the tensor positions), and
-  // for each argument the index of its tensor input or -1. No call where `direct` is None.
+  // From ForwardNode.direct (a DirectCall): what CallDirect calls, its arguments (None in the
+  // tensor positions), and for each argument the index of its tensor input or -1. No call where
+  // `direct` is None.
   struct {
     py::object call;
     py::object args;
@@ -244,12 +245,13 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
     py::object runner = Runner().forward_node(layout_, device);
     py::object direct = runner.attr(Runner().direct);
     if (!direct.is_none() && !placement_.via_torch()) {  // (the device path is the CUDA kernels': `run`)
-      direct_.args = direct[py::int_(1)];
+      const RunnerApi& api = Runner();
+      direct_.args = py::tuple(direct.attr(api.direct_args));
       direct_.tensor_at.assign(py::len(direct_.args), -1);
       int tensor = 0;
-      for (py::handle position : direct[py::int_(2)])
+      for (py::handle position : direct.attr(api.direct_tensor_positions))
         direct_.tensor_at.at(position.cast<size_t>()) = tensor++;
-      direct_.call = direct[py::int_(0)];
+      direct_.call = direct.attr(api.direct_call);
     }
     return runner;
   }

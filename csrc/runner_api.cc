@@ -38,6 +38,20 @@ constexpr std::pair<const char*, py::str RunnerApi::*> kNodeNames[] = {
     {"fill", &RunnerApi::fill},
 };
 
+// (field of the runner's DirectCall, where it goes)
+constexpr std::pair<const char*, py::str RunnerApi::*> kDirectCallNames[] = {
+    {"call", &RunnerApi::direct_call},
+    {"args", &RunnerApi::direct_args},
+    {"tensor_positions", &RunnerApi::direct_tensor_positions},
+};
+
+template <class Table>
+std::vector<std::string> NamesOf(const Table& table) {
+  std::vector<std::string> names;
+  for (const auto& entry : table) names.emplace_back(entry.first);
+  return names;
+}
+
 }  // namespace
 
 const RunnerApi& Runner() {
@@ -51,6 +65,7 @@ const RunnerApi& Runner() {
         a.push_saved_hooks = py::str(kPushSavedHooks);
         a.module.attr(a.push_saved_hooks);  // (declared: checked here too)
         for (const auto& [name, member] : kNodeNames) a.*member = py::str(name);
+        for (const auto& [name, member] : kDirectCallNames) a.*member = py::str(name);
         a.version = py::str("_version");
         a.requires_grad = py::str("requires_grad");
         a.grad_fn = py::str("grad_fn");
@@ -62,16 +77,13 @@ const RunnerApi& Runner() {
 }
 
 std::vector<std::string> RunnerNames() {
-  std::vector<std::string> names;
-  for (const auto& entry : kRunnerNames) names.emplace_back(entry.first);
+  std::vector<std::string> names = NamesOf(kRunnerNames);
   names.emplace_back(kPushSavedHooks);
   return names;
 }
 
-std::vector<std::string> NodeNames() {
-  std::vector<std::string> names;
-  for (const auto& entry : kNodeNames) names.emplace_back(entry.first);
-  return names;
-}
+std::vector<std::string> NodeNames() { return NamesOf(kNodeNames); }
+
+std::vector<std::string> DirectCallNames() { return NamesOf(kDirectCallNames); }
 
 }  // namespace ortbridge

@@ -26,6 +26,8 @@ struct RunnerApi {
   py::str push_saved_hooks;             // (read off the module per call: benchmarks/step_memory.py wraps it)
   // What the kernels read off a node object.
   py::str func, run, direct, result, use_stream, restore_stream, copy_into, fill;
+  // What they read off a ForwardNode's `direct` (a DirectCall).
+  py::str direct_call, direct_args, direct_tensor_positions;
   // What they read off tensors (torch's names).
   py::str version, requires_grad, grad_fn, data_ptr, detach;
 };
@@ -37,5 +39,6 @@ const RunnerApi& Runner();
 // The declared names: of the runner module, and of its node objects.
 std::vector<std::string> RunnerNames();
 std::vector<std::string> NodeNames();
+std::vector<std::string> DirectCallNames();
 
 }  // namespace ortbridge

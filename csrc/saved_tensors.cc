@@ -4,7 +4,7 @@
 
 #include <pybind11/gil_safe_call_once.h>
 
-#include "proxy.h"
+#include "run_scope.h"
 
 namespace ortbridge {
 namespace {

@@ -73,7 +73,7 @@ def _scoped(run, outputs_of):
 
 
 def run_in_scope(run) -> tuple[object, list[int]]:
-    """run() in a run scope (csrc/proxy.h): (its result, the ids of the autograd contexts it left
+    """run() in a run scope (csrc/run_scope.h): (its result, the ids of the autograd contexts it left
     live that no context-id tensor holds, which the caller keeps or releases); a failed run
     releases the contexts it created."""
     _C._begin_run()

@@ -142,11 +142,11 @@ def test_c_types_refuse_copies_and_bare_construction():
                                     "input_int_scalar_positions": [1], "output_tensor_types": [1],
                                     "output_tensor_ranks": [1]}, {}, 1, 2)
         objects = {"ForwardLayout": forward, "Constant": forward.constants[0], "BackwardLayout": layouts[0],
-                   "Constant.Kind": _C.Constant.Kind.INT}
+                   "KernelDescription": _C._kernels()[0], "Constant.Kind": _C.Constant.Kind.INT}
         attempt(objects)
         kind = _C.Constant.Kind.FLOAT_TUPLE  # (a value: copies are equal)
         assert all(pickle.loads(pickle.dumps(kind, protocol=p)) == kind for p in range(pickle.HIGHEST_PROTOCOL + 1))
-        for cls in (_C.ForwardLayout, _C.BackwardLayout, _C.Constant):
+        for cls in (_C.ForwardLayout, _C.BackwardLayout, _C.Constant, _C.KernelDescription):
             for how, make in (("__new__", lambda: cls.__new__(cls)), ("call", cls),
                               ("base __new__", lambda: cls.__mro__[1].__new__(cls))):
                 try:

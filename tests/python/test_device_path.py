@@ -15,7 +15,7 @@ from ortbridge._kernel import runner
 
 
 def test_both_execution_providers_are_registered_and_the_context_id_is_read_on_the_host():
-    kernels = {(op, provider, via_torch): memory for op, provider, via_torch, memory in _C._kernels()}
+    kernels = {(k.op, k.provider, k.via_torch): k.input_memory for k in _C._kernels()}
     assert kernels[("PythonOp", "CPUExecutionProvider", False)] == ["default", "default"]
     assert kernels[("PythonOpGrad", "CPUExecutionProvider", False)] == ["default", "default"]
     assert kernels[("PythonOp", "CUDAExecutionProvider", False)] == ["default", "default"]

@@ -161,6 +161,7 @@ def test_the_kernels_call_what_the_runner_declares():
     names = _C._runner_names()
     assert sorted(names["module"]) == sorted(runner.KERNEL_NAMES)
     assert sorted(names["node"]) == sorted(runner.NODE_NAMES)
+    assert sorted(names["direct_call"]) == sorted(runner.DirectCall._fields)
     missing = [n for n in runner.KERNEL_NAMES if not hasattr(runner, n)]
     missing += [
         f"{c}.{n}" for c in ("ForwardNode", "BackwardNode") for n in runner.NODE_NAMES if n not in _node_attributes(c)

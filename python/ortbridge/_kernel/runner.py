@@ -18,6 +18,8 @@ import contextlib
 import copy
 import threading
 import traceback
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch.autograd.function import FunctionCtx
@@ -28,9 +30,9 @@ from .._compat.torch_private import direct_apply, unrouted_apply, uses_setup_con
 from .._format import dtypes, literals
 from .lookup import lookup
 
-# The names the C++ kernels call (csrc/runner_api.cc resolves each once: the two lists are the same,
-# tests/python/test_layout.py checks): of this module, and of its node objects (ForwardNode,
-# BackwardNode).
+# The names the C++ kernels call (csrc/runner_api.cc resolves each once: the lists are the same,
+# tests/python/test_layout.py checks): of this module, of its node objects (ForwardNode,
+# BackwardNode), and the fields of a DirectCall.
 KERNEL_NAMES = (
     "ForwardNode",
     "BackwardNode",
@@ -206,6 +208,15 @@ class _Node:
         _from_dlpack(destination).fill_(value)
 
 
+class DirectCall(NamedTuple):
+    """A forward call on the CPU that the kernel makes itself, without `run` (python_op.cc,
+    CallDirect), ending in the node's `result` where it meets anything unusual."""
+
+    call: Callable  # apply without its pass-through wrapper, or forward (safe_run_mode=0)
+    args: tuple  # the arguments, None in the tensor positions
+    tensor_positions: tuple  # where the node's tensor inputs go among them, in input order
+
+
 class ForwardNode(_Node):
     def __init__(self, layout: _C.ForwardLayout, device: str = "cpu"):
         super().__init__(device)
@@ -227,12 +238,12 @@ class ForwardNode(_Node):
         self.updated = {i for _, i in layout.in_place}  # tensor inputs updated in place (tensor_reuse_map)
         self.training = layout.training_mode
         self.output_count = len(layout.output_tensor_types)
-        # A call on the CPU with no constant to copy the kernel makes itself, without `run`
-        # (python_op.cc, CallDirect): (what it calls, the arguments with None in the tensor
-        # positions, those positions); None where `run` is needed (also for a training call that
-        # updates an input in place, whose input then becomes a copy).
+        # A call on the CPU with no constant to copy: None where `run` is needed (also for a
+        # training call that updates an input in place, whose input then becomes a copy).
         direct = not self.mutable and self.on_cpu and not (self.training and self.updated)
-        self.direct = (self.fast_call or self.apply, tuple(args), tuple(self.tensor_positions)) if direct else None
+        self.direct = (
+            DirectCall(self.fast_call or self.apply, tuple(args), tuple(self.tensor_positions)) if direct else None
+        )
 
     def run(self, capsules: tuple) -> tuple:
         """(autograd context or None, one capsule per output[, indices of inputs modified in place])."""

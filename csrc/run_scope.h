@@ -1,23 +1,21 @@
-// The call into Python: the GIL, calls (the runner's names: runner_api.h), Python errors as text,
-// and the context pool. Everything here expects the GIL unless it says otherwise.
+// A session run's scope on this thread: the contexts its kernels made (the context pool), the
+// kernel calls inside it (KernelGil holds the GIL for one), torch's grad mode and saved-tensor hooks
+// it puts back at its end; and the pool's end at interpreter exit. Everything here expects the GIL
+// unless it says otherwise.
 #pragma once
 
 #include <pybind11/pybind11.h>
 
-#include <initializer_list>
 #include <new>
 #include <optional>
-#include <string>
 #include <vector>
 
 #include "ort_util.h"
 #include "pool.h"
-#include "runner_api.h"
+#include "python_call.h"
 #include "small_vector.h"
 
 namespace ortbridge {
-
-namespace py = pybind11;
 
 // What a training-mode forward keeps for its backward: the autograd context (None when no output
 // needed a gradient), the Function that made it (only its backward may take it), and the types
@@ -91,35 +89,10 @@ class KernelGil {
   alignas(py::gil_scoped_acquire) unsigned char storage_[sizeof(py::gil_scoped_acquire)];
 };
 
-// Throws std::runtime_error when no interpreter can run kernels (none, or it is exiting).
-// Callable without the GIL.
-void RequirePython();
-
-// f(), f(arg), f(a, b) through CPython's vectorcall (pybind11's calls build an argument tuple
-// first); a Python error becomes py::error_already_set.
-py::object Call(py::handle f, std::initializer_list<py::handle> args = {});
-
 // callable(*args) with torch's grad mode set to `grad_enabled`, and restored after it, also when
 // it raises (then py::error_already_set); for a kernel of the session that the innermost run
 // scope runs, restored when that scope ends instead.
 py::object CallWithGradMode(py::handle callable, const py::tuple& args, bool grad_enabled);
-
-// What a Function's forward or backward returned, as a list of its items (borrowed): itself when
-// it is a tensor, the items of a tuple, nothing for anything else (which the runner's checks take).
-using ReturnedList = SmallVector<PyObject*, 8>;
-ReturnedList ReturnedItems(PyObject* returned);
-
-// `o` as a DLPack capsule, where it is a torch.Tensor on the CPU that torch exports; null
-// otherwise (no Python error left set). (The capsule's device, not the tensor's `is_cpu`: one
-// attribute read less a call.)
-py::object ExportCpuTensor(PyObject* o);
-
-// "ExceptionType: message" followed by the Python traceback.
-std::string FormatPythonError(const py::error_already_set& error);
-
-// Drops a reference from any thread: takes the GIL, or leaks the object when the interpreter is
-// already gone (destroying it then would crash).
-void ReleasePython(py::object& obj) noexcept;
 
 // Called once at interpreter exit: drops every live context and stops kernels from calling in.
 void Shutdown();

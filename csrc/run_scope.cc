@@ -1,21 +1,15 @@
-#include "proxy.h"
+#include "run_scope.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstddef>
 #include <optional>
-#include <stdexcept>
 #include <vector>
 
-#include <pybind11/gil_safe_call_once.h>
-
 #include "context_id.h"
-#include "dlpack.h"
 #include "saved_tensors.h"
 
 namespace ortbridge {
 namespace {
-std::atomic<bool> g_shutdown{false};
 thread_local std::vector<RunScope> t_run_scopes;  // innermost last
 thread_local int t_kernel_depth = 0;              // kernel calls holding a KernelGil on this thread
 
@@ -79,22 +73,6 @@ KernelGil::~KernelGil() {
   if (!InterpreterFinalizing()) reinterpret_cast<py::gil_scoped_acquire*>(&storage_)->~gil_scoped_acquire();
 }
 
-void RequirePython() {
-  if (!Py_IsInitialized() || g_shutdown.load()) {
-    throw std::runtime_error(
-        "no Python interpreter is running (ortbridge kernels call torch.autograd.Functions in this "
-        "process's interpreter; it has exited or was never started)");
-  }
-}
-
-py::object Call(py::handle f, std::initializer_list<py::handle> args) {
-  static_assert(sizeof(py::handle) == sizeof(PyObject*), "a handle is its pointer");
-  PyObject* returned =
-      PyObject_Vectorcall(f.ptr(), reinterpret_cast<PyObject* const*>(args.begin()), args.size(), nullptr);
-  if (!returned) throw py::error_already_set();
-  return py::reinterpret_steal<py::object>(returned);
-}
-
 py::object CallWithGradMode(py::handle callable, const py::tuple& args, bool grad_enabled) {
   const bool was_enabled = Call(Runner().is_grad_enabled).ptr() == Py_True;
   // A kernel that a run scope's session calls directly leaves the mode it set to the next
@@ -115,50 +93,10 @@ py::object CallWithGradMode(py::handle callable, const py::tuple& args, bool gra
   return py::reinterpret_steal<py::object>(returned);
 }
 
-ReturnedList ReturnedItems(PyObject* returned) {
-  if (PyObject_TypeCheck(returned, Runner().tensor_type)) return {returned};
-  ReturnedList items;
-  if (PyTuple_CheckExact(returned)) {
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(returned); ++i)
-      items.push_back(PyTuple_GET_ITEM(returned, i));
-  }
-  return items;
-}
-
-py::object ExportCpuTensor(PyObject* o) {
-  const RunnerApi& torch = Runner();
-  if (!PyObject_TypeCheck(o, torch.tensor_type)) return {};
-  PyObject* capsule = PyObject_Vectorcall(torch.to_dlpack.ptr(), &o, 1, nullptr);
-  if (!capsule || !IsHostCapsule(capsule)) {
-    PyErr_Clear();  // (torch refused it: a sparse or meta tensor; the runner's checks say so)
-    Py_XDECREF(capsule);
-    return {};
-  }
-  return py::reinterpret_steal<py::object>(capsule);
-}
-
-std::string FormatPythonError(const py::error_already_set& error) {
-  try {
-    return Runner().format_exception(error.value(), error.trace()).cast<std::string>();
-  } catch (const std::exception&) {
-    return error.what();
-  }
-}
-
-void ReleasePython(py::object& obj) noexcept {
-  if (!obj) return;
-  if (!Py_IsInitialized() || g_shutdown.load()) {
-    obj.release();  // the interpreter is gone or going: leaking is the only safe choice
-    return;
-  }
-  py::gil_scoped_acquire gil;
-  obj = py::object();
-}
-
 void Shutdown() {
   auto entries = Contexts().TakeAll();
   entries.clear();  // GIL held: called from atexit
-  g_shutdown.store(true);
+  StopCallingPython();
 }
 
 }  // namespace ortbridge
