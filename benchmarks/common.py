@@ -64,41 +64,42 @@ class View(torch.autograd.Function):
         return g
 
 
-def python_op(func: type, x: str, y: str, ctx: str, name: str, training: bool = False, safe: bool = True):
-    """A PythonOp node calling func.apply(x) on a rank-1 float32 tensor (func.forward, with no
-    autograd, when not `safe`)."""
+def _rank1_float_node(op_type: str, inputs: list, outputs: list, func: type, name: str, **attributes):
+    """A node of `func` whose tensor input and output are rank-1 float32."""
     return helper.make_node(
-        "PythonOp",
-        [x],
-        [ctx, y],
+        op_type,
+        inputs,
+        outputs,
         domain="ortbridge",
         name=name,
         func_name=func._ortbridge_name,
-        input_convention="d",
         input_tensor_types=[TensorProto.FLOAT],
         input_tensor_ranks=[1],
-        input_requires_grads=[int(training)],
         output_tensor_types=[TensorProto.FLOAT],
         output_tensor_ranks=[1],
+        **attributes,
+    )
+
+
+def python_op(func: type, x: str, y: str, ctx: str, name: str, training: bool = False, safe: bool = True):
+    """A PythonOp node calling func.apply(x) on a rank-1 float32 tensor (func.forward, with no
+    autograd, when not `safe`)."""
+    return _rank1_float_node(
+        "PythonOp",
+        [x],
+        [ctx, y],
+        func,
+        name,
+        input_convention="d",
+        input_requires_grads=[int(training)],
         training_mode=int(training),
         safe_run_mode=int(safe),
     )
 
 
 def python_op_grad(func: type, ctx: str, g: str, gx: str, name: str):
-    return helper.make_node(
-        "PythonOpGrad",
-        [ctx, g],
-        [gx],
-        domain="ortbridge",
-        name=name,
-        func_name=func._ortbridge_name,
-        output_convention="d",
-        input_tensor_types=[TensorProto.FLOAT],
-        input_tensor_ranks=[1],
-        output_tensor_types=[TensorProto.FLOAT],
-        output_tensor_ranks=[1],
-        output_tensor_requires_grads=[1],
+    return _rank1_float_node(
+        "PythonOpGrad", [ctx, g], [gx], func, name, output_convention="d", output_tensor_requires_grads=[1]
     )
 
 

@@ -75,17 +75,9 @@ def _transformer():
 
 def _bert():
     transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(
-        vocab_size=50,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=24,
-        max_position_embeddings=16,
-        num_labels=3,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
+    from tiny_bert import tiny_bert_config
+
+    config = tiny_bert_config(num_labels=3)
 
     def batch(g):
         mask = torch.ones(3, 7, dtype=torch.int64)

@@ -22,6 +22,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest
 import torch
 from side_by_side import tensors_of, train_side_by_side
+from tiny_bert import tiny_bert_config
 from torch.utils.checkpoint import CheckpointFunction, checkpoint
 
 import ortbridge
@@ -189,22 +190,6 @@ def test_timm_vit_with_reentrant_gradient_checkpointing():
 
 
 # --- Hugging Face BERT from a tiny config ------------------------------------------------------
-
-
-def tiny_bert_config(**extra) -> transformers.BertConfig:
-    # Dropout off: ORT draws its own random numbers (docs/training.md).
-    return transformers.BertConfig(
-        vocab_size=99,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=37,
-        max_position_embeddings=64,
-        type_vocab_size=2,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        **extra,
-    )
 
 
 def _bert_batch(labels: bool):

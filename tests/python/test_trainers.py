@@ -29,15 +29,9 @@ class Sentences(torch.utils.data.Dataset):
 
 
 def _bert():
-    config = transformers.BertConfig(
-        vocab_size=64,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=32,
-        num_labels=2,
-    )
+    from tiny_bert import tiny_bert_config
+
+    config = tiny_bert_config(num_labels=2)
     torch.manual_seed(0)
     return transformers.BertForSequenceClassification(config)
 
