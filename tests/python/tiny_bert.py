@@ -3,9 +3,10 @@
 import transformers
 
 
-def tiny_bert_config(**extra) -> transformers.BertConfig:
-    # Dropout off: ORT draws its own random numbers (docs/training.md).
-    return transformers.BertConfig(
+def tiny_bert_config(**changes) -> transformers.BertConfig:
+    """Dropout off (ORT draws its own random numbers: docs/training.md); `changes` replace or add
+    settings."""
+    settings = dict(
         vocab_size=99,
         hidden_size=32,
         num_hidden_layers=2,
@@ -15,5 +16,5 @@ def tiny_bert_config(**extra) -> transformers.BertConfig:
         type_vocab_size=2,
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
-        **extra,
     )
+    return transformers.BertConfig(**{**settings, **changes})
