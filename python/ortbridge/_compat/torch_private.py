@@ -355,6 +355,14 @@ def onnx_decompositions(registry: object) -> tuple[frozenset, dict]:
     return translated, _decomp.create_onnx_friendly_decomposition_table(translated)
 
 
+def torchscript_constant(value, kind: str):
+    """A TorchScript exporter's graph value as the constant of `kind` ("b", "i", ...) it holds, or
+    the value itself where it is not a constant."""
+    from torch.onnx import symbolic_helper
+
+    return symbolic_helper._maybe_get_const(value, kind)
+
+
 def rename_node(node: torch.fx.Node, name: str) -> None:
     """Names an FX node `name`, or a free name made from it where another node of its graph has it."""
     node._rename(name)

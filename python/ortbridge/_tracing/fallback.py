@@ -37,6 +37,7 @@ from .._compat.torch_private import (
 )
 from .._format import dtypes
 from .._kernel.lookup import AFTER, DIM_ORDERS, flatten_outputs, operator_function
+from . import kernels
 from .functions import ExportError
 from .nodes import Arguments, emit_python_op
 from .record import size_hint
@@ -51,8 +52,12 @@ aten = torch.ops.aten
 # by benchmarks/fallback_ops.py (both ways, in training steps, in one run).
 # (Attention on the CPU too: torch's fused kernel, where ONNX has Softmax between two MatMuls and
 # their transposes; its outputs saved for backward are the kernel's own.)
+# (And those whose decomposition is an accumulating index write, below, which PyTorch's own kernel
+# computes as eager does: embedding's backward, index_add.)
 PYTORCH_PREFERRED: set = {
     aten._embedding_bag.default,
+    aten.embedding_dense_backward.default,
+    aten.index_add.default,
     aten._native_batch_norm_legit_functional.default,
     aten.native_batch_norm_backward.default,
     aten.native_layer_norm_backward.default,
@@ -84,14 +89,32 @@ def _decompositions(registry_opset: int) -> tuple[frozenset, dict]:
     return translated, table
 
 
+# Index writes that add up the values written to one place (index_put(accumulate=True), which many
+# decompositions end in): torch's exporter writes them as ScatterND with reduction "add", which ONNX
+# Runtime computes wrongly for repeated indices (kernels.UNSAFE_KERNELS), so PyTorch runs them.
+_ACCUMULATING_WRITES = {aten.index_put.default, aten._unsafe_index_put.default}
+
+
+def _accumulating_write(node: torch.fx.Node) -> bool:
+    """Whether `node` is an index write that accumulates (_ACCUMULATING_WRITES)."""
+    if node.target not in _ACCUMULATING_WRITES:
+        return False
+    return bool(node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False))
+
+
 def _random(op) -> bool:
     """Whether `op` draws from a random generator (dropout, rand, bernoulli, normal, ...)."""
     return isinstance(op, OpOverload) and torch.Tag.nondeterministic_seeded in op.tags
 
 
-def _in_pytorch(op, random_in_pytorch: bool) -> bool:
+# Operators whose ONNX form orders equal values otherwise than PyTorch's (kernels.UNSAFE_KERNELS:
+# TopK, which ONNX defines with ties by index): a graph that must give eager's results runs them in PyTorch.
+_ORDER_OF_TIES = {aten.topk.default, aten.sort.default, aten.sort.stable}
+
+
+def _in_pytorch(op, eager_exact: bool) -> bool:
     """Whether `op` runs in PyTorch although torch's exporter could write it (or decompose it)."""
-    return op in PYTORCH_PREFERRED or (random_in_pytorch and _random(op))
+    return op in PYTORCH_PREFERRED or (eager_exact and (_random(op) or op in _ORDER_OF_TIES))
 
 
 # torch's functionalized calls of an operator that writes into its arguments (a custom op with
@@ -109,13 +132,14 @@ def _operator(node: torch.fx.Node) -> OpOverload | None:
 
 
 def _needs_fallback(
-    node: torch.fx.Node, translated: frozenset, in_pytorch=frozenset(), random_in_pytorch: bool = False
+    node: torch.fx.Node, translated: frozenset, in_pytorch=frozenset(), eager_exact: bool = False
 ) -> bool:
     op = _operator(node)
     return op is not None and (
         node.target in _FUNCTIONALIZED
         or op not in translated
-        or _in_pytorch(op, random_in_pytorch)
+        or _in_pytorch(op, eager_exact)
+        or _accumulating_write(node)
         or node.name in in_pytorch
     )
 
@@ -192,29 +216,31 @@ def exportable(
     program: torch.export.ExportedProgram,
     in_pytorch=frozenset(),
     opset_version: int | None = None,
-    random_in_pytorch: bool = False,
+    eager_exact: bool = False,
 ) -> torch.export.ExportedProgram:
     """`program` decomposed as torch's ONNX exporter would decompose it for `opset_version`, each
     call of an operator it cannot write a fallback node; to_onnx translates it. `in_pytorch`:
-    names of nodes of the decomposed program to run as fallback nodes too. `random_in_pytorch`:
-    random operators too, undecomposed, so that they draw from torch's generator as eager does
-    (ONNX's Dropout, RandomUniform, ... draw from ONNX Runtime's own, which torch.manual_seed
-    does not seed); a model file keeps them in ONNX, which runs without PyTorch."""
+    names of nodes of the decomposed program to run as fallback nodes too. `eager_exact` (a
+    training graph): also, undecomposed, the operators whose ONNX forms give other results than
+    eager's where ONNX leaves them open: random operators, so that they draw from torch's generator
+    as eager does (ONNX's Dropout, RandomUniform, ... draw from ONNX Runtime's own, which
+    torch.manual_seed does not seed), and topk and sort (the order of equal values); a model file
+    keeps them in ONNX, which runs without PyTorch."""
     translated, table = _decompositions(onnx_opsets(opset_version)[1])
     # (as torch's exporter decomposes: a dynamic dim may have an example size of 0 or 1)
     with fx_config.patch(backed_size_oblivious=True):
         # Decomposed as torch's exporter would decompose it (less the operators PyTorch runs).
-        decomposed = program.run_decompositions(
-            {op: f for op, f in table.items() if not _in_pytorch(op, random_in_pytorch)}
-        )
+        decomposed = program.run_decompositions({op: f for op, f in table.items() if not _in_pytorch(op, eager_exact)})
         remove_assertion_nodes(decomposed.graph_module)  # (torch's exporter drops them too)
         if decomposed.graph.find_nodes(op="call_function", target=torch.ops.higher_order.with_effects):
             decomposed = remove_effect_tokens(decomposed)  # (2.13 and later: linalg's error checks)
         fold_error_checks(decomposed.graph)
-        fallbacks = [n for n in decomposed.graph.nodes if _needs_fallback(n, translated, in_pytorch, random_in_pytorch)]
+        fallbacks = [n for n in decomposed.graph.nodes if _needs_fallback(n, translated, in_pytorch, eager_exact)]
         if not fallbacks:
             return decomposed
         for node in fallbacks:
+            if node.target is aten._unsafe_index_put.default:  # (as index_put, whose indices are checked)
+                node.target = aten.index_put.default
             op = _operator(node)
             try:  # (what a model file could not name, the exporter does not write either)
                 operator_function(operators.name_of(op))
@@ -234,7 +260,7 @@ def exportable(
             "operators run by PyTorch inside the graph: %s",
             ", ".join(sorted({operators.name_of(_operator(n)) for n in fallbacks})),
         )
-        if random_in_pytorch:
+        if eager_exact:
             _draw_in_order([n for n in fallbacks if _random(n.target)])
         for node in fallbacks:
             node.target = _emitter(node.target)
@@ -358,6 +384,42 @@ def _emit_in_place(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
             user.replace_all_uses_with(result[user.args[1]])
             graph.erase_node(user)
     graph.erase_node(node)
+
+
+def onnx_of(
+    program: torch.export.ExportedProgram,
+    in_pytorch=frozenset(),
+    opset_version: int | None = None,
+    eager_exact: bool = False,
+    optimize: bool = True,
+) -> onnx.ModelProto:
+    """`program` as ONNX: exportable, then to_onnx (see both for the arguments), without a node of
+    a kernel on the deny list (kernels.UNSAFE_KERNELS: for a graph that is not `eager_exact`, of
+    those that compute wrongly what ONNX defines). exportable runs in PyTorch the operators known
+    to be written so; should the translation write such a node for another, the FX node it
+    translates runs in PyTorch too, and the program is exported again."""
+    in_pytorch = set(in_pytorch)
+    while True:
+        model = to_onnx(exportable(program, in_pytorch, opset_version, eager_exact), opset_version, optimize)
+        unsafe = kernels.unsafe_nodes(model, eager_exact)
+        if not unsafe:
+            return model
+        sources = {kernels.fx_node_of(node) for node, _ in unsafe}
+        if None in sources or sources <= in_pytorch:
+            node, reason = unsafe[0]
+            raise ExportError(
+                f"torch's ONNX exporter wrote node {node.name!r} ({node.op_type}), which ONNX Runtime "
+                f"computes otherwise than PyTorch ({reason}), and ortbridge could not run what it "
+                "translates in PyTorch"
+            )
+        log.warning(
+            "torch's ONNX exporter wrote %s, which ONNX Runtime computes otherwise than PyTorch (%s): "
+            "the FX nodes %s run in PyTorch",
+            ", ".join(sorted({node.op_type for node, _ in unsafe})),
+            unsafe[0][1],
+            ", ".join(sorted(sources - in_pytorch)),
+        )
+        in_pytorch |= sources
 
 
 def to_onnx(

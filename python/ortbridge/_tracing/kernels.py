@@ -1,4 +1,5 @@
-"""Which nodes of an exported graph ONNX Runtime has no kernel for, found all at once.
+"""Which nodes of an exported graph ONNX Runtime cannot run: those it has no kernel for, found all
+at once, and those of kernels known to compute them wrongly (UNSAFE_KERNELS).
 
 A session that ONNX Runtime refuses names one node without a kernel, and each new attempt
 exports the graph again (~0.3 s); in a dtype its kernels barely cover (bfloat16 on the CPU: no
@@ -10,7 +11,9 @@ CPU provider runs in float32 between Casts it inserts, or a node the CUDA provid
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from collections.abc import Callable, Iterator
 
 import onnx
 import onnxruntime as ort
@@ -104,3 +107,75 @@ def _has_kernel(node: onnx.NodeProto, model: onnx.ModelProto, types: dict, provi
     except Exception:  # (refused for another reason: the real session will say what)
         return True
     return True
+
+
+@dataclasses.dataclass(frozen=True)
+class UnsafeKernel:
+    """An ONNX Runtime kernel whose results differ from PyTorch's, or from run to run, on some
+    inputs: nodes of `op_type` for which `applies` holds, and why. `wrong`: against ONNX's own
+    definition of the operator too; otherwise only where ONNX and PyTorch define the result
+    differently, which matters to a graph that must give eager's results (a training graph), not
+    to a model file."""
+
+    op_type: str
+    applies: Callable[[onnx.NodeProto], bool]
+    reason: str
+    wrong: bool = True
+
+
+def _reduction(node: onnx.NodeProto) -> str:
+    return next((a.s.decode() for a in node.attribute if a.name == "reduction"), "none")
+
+
+# The deny list (docs/ort_kernels.md): found by tests/python/test_ort_kernel_audit.py, which runs
+# every kind of node the package's graphs contain in ONNX Runtime on 1 and 4 threads against
+# PyTorch, on every release CI tests. A graph the package makes has no such node: the FX node whose
+# translation wrote it runs in PyTorch instead (fallback.py: those known to write one beforehand,
+# onnx_of any other).
+UNSAFE_KERNELS = (
+    UnsafeKernel(
+        "ScatterND",
+        lambda node: _reduction(node) != "none",
+        "with a reduction, ONNX Runtime's CPU kernel splits the updates among its threads, and two "
+        "threads updating one place race: with repeated indices and 2 or more intra-op threads, updates "
+        "are lost (one row updated 1,092 times: max error 70, 10 runs of 10 wrong, ONNX Runtime 1.19 to "
+        "1.32). Embedding gradients and index_put(accumulate=True) were written so",
+    ),
+    UnsafeKernel(
+        "TopK",
+        lambda node: True,
+        "of equal values it takes the first ones, as ONNX defines it, where torch.topk takes others "
+        "(of [1, 3, 3, 2, 3] the 3s at 1 and 2, torch those at 2 and 4), so that indices and "
+        "gradients go elsewhere than eager's. torch's exporter writes topk and sort so",
+        wrong=False,
+    ),
+)
+
+
+def nodes_of(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
+    """Every node of `model`: of its graph, its functions and the subgraphs their nodes hold (If,
+    Loop, Scan)."""
+
+    def of(graph) -> Iterator[onnx.NodeProto]:
+        for node in graph.node:
+            yield node
+            for attribute in node.attribute:
+                for subgraph in (attribute.g, *attribute.graphs) if attribute.HasField("g") else attribute.graphs:
+                    yield from of(subgraph)
+
+    for graph in (model.graph, *model.functions):
+        yield from of(graph)
+
+
+def unsafe_nodes(model: onnx.ModelProto, eager_exact: bool = False) -> list[tuple[onnx.NodeProto, str]]:
+    """Each node of `model` of a kernel in UNSAFE_KERNELS, with the reason: of those that are
+    `wrong`, and with `eager_exact` (a training graph) of all."""
+    return [
+        (node, kernel.reason)
+        for node in nodes_of(model)
+        for kernel in UNSAFE_KERNELS
+        if (kernel.wrong or eager_exact)
+        and node.op_type == kernel.op_type
+        and node.domain in ("", "ai.onnx")
+        and kernel.applies(node)
+    ]

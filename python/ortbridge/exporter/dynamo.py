@@ -42,7 +42,6 @@ def export(model, args: tuple, kwargs: dict, dynamic_shapes, calls: list[Call], 
         shapes = dims.for_torch_export(dynamic_shapes)
         program = torch.export.export(model, args, kwargs=kwargs, strict=False, dynamic_shapes=shapes)
         emitter.table.require_all_reached("torch.export's trace")
-        program = fallback.exportable(program, opset_version=opset_version)
-    proto = fallback.to_onnx(program, opset_version)
+    proto = fallback.onnx_of(program, opset_version=opset_version)
     dims.rename(proto, dims.names(model, args, kwargs, dynamic_shapes))
     return proto

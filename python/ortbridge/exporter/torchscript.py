@@ -7,6 +7,7 @@ the call recorded in the eager run (the tracer makes the same calls, in the same
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import io
@@ -16,7 +17,15 @@ import onnx
 import torch
 
 from .. import registry
-from .._compat.torch_private import TensorType, Value, get_tracing_state, set_tracing_state
+from .._compat.torch_private import (
+    TensorType,
+    Value,
+    get_tracing_state,
+    onnx_opsets,
+    set_tracing_state,
+    torchscript_constant,
+)
+from .._tracing import kernels
 from .._tracing.functions import ExportError
 from .._tracing.interception import class_attributes_set
 from .._tracing.nodes import DOMAIN, Arguments
@@ -104,6 +113,39 @@ def _opaque_functions(symbolics: _Symbolics):
     return class_attributes_set(changes)
 
 
+def _refuse_accumulating_write(what: str):
+    raise ExportError(
+        f"{what}: torch's TorchScript exporter writes an index write that adds up the values written "
+        "to one place as one that keeps only one of them where an index repeats (and a boolean mask's "
+        "as a fill). Export with dynamo=True (the default), which runs it in PyTorch inside the graph."
+    )
+
+
+def _index_put(g, self, indices, values, accumulate=False):
+    if torchscript_constant(accumulate, "b") is not False:
+        _refuse_accumulating_write("index_put with accumulate=True (index_put_, Tensor.put_)")
+    return torch.onnx.symbolic_opset11.index_put(g, self, indices, values, accumulate)
+
+
+def _index_add(g, *args):
+    _refuse_accumulating_write("index_add")
+
+
+@contextlib.contextmanager
+def _accumulating_writes_refused(opset_version: int):
+    """While exporting at `opset_version`: index writes that accumulate refused (_refuse_accumulating_write)."""
+    symbolics = {"aten::index_add": _index_add}
+    if opset_version >= 11:  # (before, torch's exporter has no index_put: it refuses it)
+        symbolics["aten::index_put"] = _index_put
+    for name, symbolic in symbolics.items():
+        torch.onnx.register_custom_op_symbolic(name, symbolic, opset_version)
+    try:
+        yield
+    finally:
+        for name in symbolics:
+            torch.onnx.unregister_custom_op_symbolic(name, opset_version)
+
+
 def _dynamic_axes(model, args: tuple, kwargs: dict, dynamic_shapes):
     """torch.export-style dynamic_shapes as the TorchScript exporter's input_names and dynamic_axes."""
     if dynamic_shapes is None:
@@ -122,7 +164,8 @@ def export(model, args: tuple, kwargs: dict, dynamic_shapes, calls: list[Call], 
     symbolics = _Symbolics(calls)
     buffer = io.BytesIO()
     mode = torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL
-    with _opaque_functions(symbolics), warnings.catch_warnings():
+    opset_version = onnx_opsets(opset_version)[0]  # (as torch's exporter picks it)
+    with _opaque_functions(symbolics), _accumulating_writes_refused(opset_version), warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # of this path, which the user chose
         torch.onnx.export(
             model,
@@ -142,4 +185,10 @@ def export(model, args: tuple, kwargs: dict, dynamic_shapes, calls: list[Call], 
             f"the TorchScript trace made {symbolics.done} of the {len(calls)} Function calls of the "
             "eager run; the model must call its Functions the same way on every run."
         )
-    return onnx.load_from_string(buffer.getvalue())
+    model = onnx.load_from_string(buffer.getvalue())
+    for node, reason in kernels.unsafe_nodes(model):
+        raise ExportError(
+            f"torch's TorchScript exporter wrote node {node.name!r} ({node.op_type}), which ONNX Runtime "
+            f"computes wrongly ({reason}). Export with dynamo=True (the default), which runs it in PyTorch."
+        )
+    return model

@@ -339,6 +339,4 @@ def export_graph(gm: torch.fx.GraphModule, inputs: list, in_pytorch: set, optimi
     with quiet_exporter(), unset_fake_temporarily():
         dynamic = dynamic if any(dynamic) else None
         program = torch.export.export(gm, example, dynamic_shapes=dynamic, strict=False)
-        return fallback.to_onnx(
-            fallback.exportable(program, in_pytorch=in_pytorch, random_in_pytorch=True), optimize=optimize
-        )
+        return fallback.onnx_of(program, in_pytorch, eager_exact=True, optimize=optimize)
