@@ -38,7 +38,8 @@ $PYTHON -m pytest -q $models "$@"
 
 # The kernels' suites again on the oldest ONNX Runtime releases the library supports (1.19.2 is the
 # last onnxruntime-training; 1.20.1's wheel is built with C++ library assertions on): the suites of
-# what ONNX Runtime runs (kernels, export, training). The rest runs once, above: the model suites (no
+# what ONNX Runtime runs (kernels, export, training), and the audit of ONNX Runtime's own kernels
+# with what the deny list it feeds avoids (docs/ort_kernels.md). The rest runs once, above: the model suites (no
 # kernel code of their own), the benchmarks' checks, the wheel's and OnnxModule's tests, and the
 # graph fuzzer (on 1.19 a hostile node with fewer outputs than its attributes trips ORT's own
 # unchecked index in custom-op shape inference: an assertion abort inside ORT; 1.20 checks it, so
@@ -48,7 +49,7 @@ kernel_suites="tests/python/test_inference.py tests/python/test_training_graph.p
   tests/python/test_lifecycle.py tests/python/test_registry.py tests/python/test_convert.py
   tests/python/test_device_path.py tests/python/test_export.py tests/python/test_training.py
   tests/python/test_capture.py tests/python/test_kernel_styles.py tests/python/test_linalg_checks.py
-  tests/python/test_onnxruntime_tools.py"
+  tests/python/test_onnxruntime_tools.py tests/python/test_ort_kernel_audit.py tests/python/test_unsafe_kernels.py"
 for version in ${ORT_COMPAT_VERSIONS-1.19.2 1.20.1}; do
   target=build/onnxruntime-$version
   [ -d "$target/onnxruntime" ] || $PYTHON -m pip install -q --no-deps --target "$target" "onnxruntime==$version"
@@ -71,14 +72,15 @@ PYTHONPATH="$target" $PYTHON -m pytest -q -p no:cacheprovider tests/python/test_
 # and Hugging Face models, checkpointing), what a training script changes between calls (dtypes,
 # autocast, modes, hooks, copies), bfloat16, random operators, OnnxModule, where torch's private
 # APIs are reached, custom operators (torch.library, C++), linalg's error checks, ONNX Runtime's tools,
-# DDP and FSDP2, backward graphs in stages.
+# DDP and FSDP2, backward graphs in stages, the nodes of kernels on the deny list that each release's
+# exporter would write (conftest.py checks, in every run, that the kernel audit covers every kind of node).
 compat_suites="tests/python/test_inference.py tests/python/test_training_graph.py tests/python/test_inplace.py
   tests/python/test_errors.py tests/python/test_export.py tests/python/test_training.py
   tests/python/test_capture.py tests/python/test_model_changes.py tests/python/test_mixed_precision.py
   tests/python/test_randomness.py tests/python/test_copy_safety.py tests/python/test_onnx_module.py
   tests/python/test_real_models.py tests/python/test_private_apis.py tests/python/test_kernel_styles.py
   tests/python/test_linalg_checks.py tests/python/test_onnxruntime_tools.py tests/python/test_distributed.py
-  tests/python/test_backward_stages.py"
+  tests/python/test_backward_stages.py tests/python/test_unsafe_kernels.py"
 for cell in ${TORCH_COMPAT-2.9.1:3.11 2.11.0:3.12 2.15.0:3.13}; do
   echo "== torch ${cell%%:*} on Python ${cell##*:}"
   python=$(bash scripts/compat_env.sh "${cell%%:*}" "${cell##*:}" | tail -n 1)

@@ -1,5 +1,6 @@
-"""Helpers shared by the Python tests: hand-built PythonOp / PythonOpGrad graphs, and a check
-that no test leaves an autograd context behind."""
+"""Helpers shared by the Python tests: hand-built PythonOp / PythonOpGrad graphs, a check that no
+test leaves an autograd context behind, and one that the ONNX Runtime kernel audit covers every kind
+of node the tests' graphs contain."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper
+from ort_kernel_cases import audited_kinds, kind
 
 import ortbridge
 from ortbridge import registry
+from ortbridge._tracing import kernels
 
 OPSETS = [helper.make_opsetid("", 17), helper.make_opsetid("ortbridge", 1)]
 
@@ -168,3 +171,31 @@ def no_context_left():
     assert ortbridge.context_pool_size() == 0
     yield
     assert ortbridge.context_pool_size() == 0, "a test leaked autograd contexts"
+
+
+# Every graph the package makes passes kernels.unsafe_nodes (the deny list's check), which records
+# here the kinds of ONNX node it sees (ort_kernel_cases.kind), each with the first test that made
+# one. At the end of the session each must have a case in ort_kernel_cases.py, which the kernel
+# audit (test_ort_kernel_audit.py) runs in ONNX Runtime on several threads against PyTorch.
+_GRAPH_NODE_KINDS: dict[str, str] = {}
+
+
+def pytest_configure(config):
+    check = kernels.unsafe_nodes
+
+    def unsafe_nodes(model, *args, **kwargs):
+        for node in kernels.nodes_of(model):
+            if node.domain in ("", "ai.onnx"):
+                _GRAPH_NODE_KINDS.setdefault(kind(node), os.environ.get("PYTEST_CURRENT_TEST", "?"))
+        return check(model, *args, **kwargs)
+
+    kernels.unsafe_nodes = unsafe_nodes
+
+
+def pytest_sessionfinish(session, exitstatus):
+    missing = {k: test for k, test in _GRAPH_NODE_KINDS.items() if k not in audited_kinds()}
+    if missing:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        for k, test in sorted(missing.items()):
+            reporter.write_line(f"kernel audit: no case in ort_kernel_cases.py for {k} (a graph of {test})", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
