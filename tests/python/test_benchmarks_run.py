@@ -21,6 +21,7 @@ BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
         ("capture_time.py", ["--quick"], "largest phase"),
         ("apply_cost.py", ["--quick"], "Node owner"),
         ("dropout_step.py", ["--quick"], "torch RNG ms"),
+        ("embedding_step.py", ["--quick"], "scatter_elements"),
         ("guard_cost.py", ["--quick"], "check/step"),
         ("distributed_step.py", ["--quick"], "FSDP   per block"),
         ("step_memory.py", ["--quick", "--models", "Block", "--variants", "eager,OrtModule"], "xpeak"),
