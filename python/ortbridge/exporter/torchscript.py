@@ -122,9 +122,11 @@ def _refuse_accumulating_write(what: str):
 
 
 def _index_put(g, self, indices, values, accumulate=False):
+    from torch.onnx import symbolic_opset11  # (torch's own, for the writes it writes right)
+
     if torchscript_constant(accumulate, "b") is not False:
         _refuse_accumulating_write("index_put with accumulate=True (index_put_, Tensor.put_)")
-    return torch.onnx.symbolic_opset11.index_put(g, self, indices, values, accumulate)
+    return symbolic_opset11.index_put(g, self, indices, values, accumulate)
 
 
 def _index_add(g, *args):
