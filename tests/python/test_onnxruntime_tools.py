@@ -109,13 +109,16 @@ def test_quantization(exported, tmp_path):
         def get_next(self):
             return next(self.batches, None)
 
+    # (7-bit weights, reduce_range, as ONNX Runtime's quantization guide advises for x86: on a CPU
+    # without VNNI (AVX2 only) its uint8 x int8 MatMulInteger saturates 16-bit partial sums, and 8-bit
+    # weights give errors of 0.2 here, with or without ortbridge)
     with ortbridge.onnxruntime_tools():
         quant_pre_process(str(path), str(tmp_path / "pre.onnx"))
-        quantize_dynamic(tmp_path / "pre.onnx", tmp_path / "dynamic.onnx")
-        quantize_static(tmp_path / "pre.onnx", tmp_path / "static.onnx", Batches())
+        quantize_dynamic(tmp_path / "pre.onnx", tmp_path / "dynamic.onnx", reduce_range=True)
+        quantize_static(tmp_path / "pre.onnx", tmp_path / "static.onnx", Batches(), reduce_range=True)
     for name in ("pre", "dynamic", "static"):
         got = _run(tmp_path / f"{name}.onnx", x)
-        # (8-bit weights and activations: within a few hundredths of the float model's outputs)
+        # (8-bit activations, 7-bit weights: within a few hundredths of the float model's outputs)
         np.testing.assert_allclose(got, expected, atol=1e-5 if name == "pre" else 0.1, err_msg=name)
     static = onnx.load(tmp_path / "static.onnx")
     assert {"QuantizeLinear", "PythonOp"} <= {n.op_type for n in static.graph.node}
