@@ -9,7 +9,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from onnxruntime.quantization import CalibrationDataReader, quantize_dynamic, quantize_static
+from onnxruntime.quantization import CalibrationDataReader, QuantType, quantize_dynamic, quantize_static
 from onnxruntime.quantization.shape_inference import quant_pre_process
 from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
@@ -109,16 +109,21 @@ def test_quantization(exported, tmp_path):
         def get_next(self):
             return next(self.batches, None)
 
-    # (7-bit weights, reduce_range, as ONNX Runtime's quantization guide advises for x86: on a CPU
-    # without VNNI (AVX2 only) its uint8 x int8 MatMulInteger saturates 16-bit partial sums, and 8-bit
-    # weights give errors of 0.2 here, with or without ortbridge)
+    # (uint8 weights: on a CPU without VNNI (AVX2 only) ONNX Runtime's uint8 x int8 MatMulInteger
+    # saturates 16-bit partial sums, 0.2 off here with or without ortbridge; uint8 x uint8 does not)
     with ortbridge.onnxruntime_tools():
         quant_pre_process(str(path), str(tmp_path / "pre.onnx"))
-        quantize_dynamic(tmp_path / "pre.onnx", tmp_path / "dynamic.onnx", reduce_range=True)
-        quantize_static(tmp_path / "pre.onnx", tmp_path / "static.onnx", Batches(), reduce_range=True)
+        quantize_dynamic(tmp_path / "pre.onnx", tmp_path / "dynamic.onnx", weight_type=QuantType.QUInt8)
+        quantize_static(
+            tmp_path / "pre.onnx",
+            tmp_path / "static.onnx",
+            Batches(),
+            activation_type=QuantType.QUInt8,
+            weight_type=QuantType.QUInt8,
+        )
     for name in ("pre", "dynamic", "static"):
         got = _run(tmp_path / f"{name}.onnx", x)
-        # (8-bit activations, 7-bit weights: within a few hundredths of the float model's outputs)
+        # (8-bit weights and activations: within a few hundredths of the float model's outputs)
         np.testing.assert_allclose(got, expected, atol=1e-5 if name == "pre" else 0.1, err_msg=name)
     static = onnx.load(tmp_path / "static.onnx")
     assert {"QuantizeLinear", "PythonOp"} <= {n.op_type for n in static.graph.node}
