@@ -26,8 +26,11 @@ class UnknownFunctionError(LookupError):
 
 
 def qualified_name(cls: type) -> str:
-    """The default registry name: module plus qualified class name."""
-    return f"{cls.__module__}.{cls.__qualname__}"
+    """The default registry name: module plus qualified class name. A script's classes are
+    `__main__`'s also where multiprocessing's spawn runs the script again as `__mp_main__` (a
+    DataLoader worker): the same classes, under the names the script's models give them."""
+    module = "__main__" if cls.__module__ == "__mp_main__" else cls.__module__
+    return f"{module}.{cls.__qualname__}"
 
 
 def register(cls: type | None = None, *, name: str | None = None):

@@ -81,6 +81,22 @@ def test_same_class_name_in_different_scopes_resolves_by_qualified_name():
         ortbridge.unregister(local), ortbridge.unregister(Base)
 
 
+def test_a_scripts_function_rerun_as_mp_main_has_its_main_name():
+    """multiprocessing's spawn (a DataLoader worker) runs the script again as __mp_main__: its
+    Functions are the script's, which the script's models name __main__.X."""
+
+    class Scripted(Derived):
+        pass
+
+    Scripted.__module__, Scripted.__qualname__ = "__mp_main__", "Scripted"
+    ortbridge.register(Scripted)
+    try:
+        assert ortbridge.registry.registered_name(Scripted) == "__main__.Scripted"
+        np.testing.assert_array_equal(run_one("__main__.Scripted"), [2, 2])
+    finally:
+        ortbridge.unregister(Scripted)
+
+
 def test_register_rejects_what_is_not_a_function():
     with pytest.raises(TypeError, match="expects a torch.autograd.Function subclass"):
         ortbridge.register(torch.nn.Linear)

@@ -416,5 +416,11 @@ def global_module_hooks() -> dict:
     return {kind[1:]: hooks for kind in _MODULE_HOOKS if (hooks := getattr(module, "_global" + kind))}
 
 
+def registered_members(module: torch.nn.Module) -> tuple[dict, dict, dict]:
+    """The dicts in which `module` keeps its submodules, parameters and buffers by name (which
+    torch.func.functional_call writes directly)."""
+    return module._modules, module._parameters, module._buffers
+
+
 # A module's own entries of __dict__, which a forward never changes (its attributes are the others).
 MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))

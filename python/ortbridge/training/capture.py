@@ -163,6 +163,33 @@ def _fakes(tensors: list, dynamic: bool) -> tuple[list, FakeTensorMode, ShapeEnv
     )
 
 
+def _members(module: torch.nn.Module) -> dict:
+    """Parameters, then buffers, by name, as aot_module_simplified lists them (shared ones under each name)."""
+    return {
+        **dict(module.named_parameters(remove_duplicate=False)),
+        **dict(module.named_buffers(remove_duplicate=False)),
+    }
+
+
+def _member_names(module: torch.nn.Module, params: list, runtime) -> list | None:
+    """The names of a capture's parameters and buffers, in its order; None where the order is not
+    aot_module_simplified's known one, or its runtime (`runtime`, when it runs the graphs) reads
+    another list than `params`."""
+    named = _members(module)
+    if len(named) != len(params) or any(a is not b for a, b in zip(named.values(), params)):
+        return None
+    if runtime is not None and not any(_contents(cell) is params for cell in runtime.__closure__ or ()):
+        return None
+    return list(named)
+
+
+def _contents(cell) -> object:
+    try:
+        return cell.cell_contents
+    except ValueError:  # (empty)
+        return None
+
+
 _DATA_DEPENDENT = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
 _LIBRARIES = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
 
@@ -250,12 +277,25 @@ class Capture(NotCopyable):
                 context.fw_metadata.bw_donated_idxs = []  # (None reads as "some" at run time)
             self.params = context.params_flat
             self.step = context.fw_metadata and Step.of(context.fw_metadata, self.sessions, [*self.params, *tensors])
+            self._member_names = _member_names(self.flat, self.params, self.compiled if self.step is None else None)
             if dynamic:
                 code = shape_env.produce_guards_expression(fakes, ignore_static=False)
                 self._guards = code and (compile(code, "<ortbridge guards>", "eval"), shape_env)
         except BaseException:
             recorder.unregister_new()  # (a failed capture leaves no Function registered)
             raise
+
+    def rebind(self) -> bool:
+        """Reads the module's parameters and buffers again by name, for its next runs (other tensors,
+        as functional_call gives: their dtypes, devices and sizes are checked where a session binds
+        them). False where it cannot: capture again."""
+        if self._member_names is None:
+            return False
+        named = _members(self.flat)
+        if not all(name in named for name in self._member_names):
+            return False
+        self.params[:] = [named[name] for name in self._member_names]  # (in place: AOTAutograd's runtime reads it)
+        return True
 
     def accepts(self, tensors: list) -> bool:
         """Whether the capture serves these tensors (always, for a static one: its key matched)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import itertools
 import operator
 import types
 
@@ -19,7 +20,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 from torch.utils.hooks import RemovableHandle
 
-from .._compat.torch_private import MODULE_INTERNALS, global_module_hooks, module_hooks
+from .._compat.torch_private import MODULE_INTERNALS, global_module_hooks, module_hooks, registered_members
 
 
 class CaptureError(RuntimeError):
@@ -121,6 +122,30 @@ def _hooks_key(modules: list) -> tuple:
     return tuple(key)
 
 
+class Members:
+    """The registered members of a module tree as last read: each module's submodules, parameters
+    and buffers. `changed()` is the identity check each call makes: it sees a member added, removed
+    or replaced however that was done, by registration, load_state_dict(assign=True), or
+    torch.func.functional_call, which writes `module._parameters[name]` directly. (A process-wide
+    registration hook would see fewer, and dynamo would guard on it in every compiled model.)"""
+
+    _ABSENT = object()
+
+    def __init__(self, modules: list | None = None):
+        """(None: not read yet, changed() until it is)"""
+        self._dicts = [d for m in modules or () for d in registered_members(m)]
+        self._sizes = tuple(map(len, self._dicts)) if modules is not None else None
+        self._owners = [d for d in self._dicts for _ in d]
+        self._names = [k for d in self._dicts for k in d]
+        self._values = [v for d in self._dicts for v in d.values()]
+
+    def changed(self) -> bool:
+        # (in C throughout: a few nanoseconds a member)
+        return tuple(map(len, self._dicts)) != self._sizes or not all(
+            map(operator.is_, map(dict.get, self._owners, self._names, itertools.repeat(self._ABSENT)), self._values)
+        )
+
+
 class Constants:
     """The plain values among the modules' attributes (numbers, strings, None, dtypes, enums,
     tuples, lists and dicts of them: dropout's p, a conv's padding, grad_checkpointing) and among
@@ -179,8 +204,21 @@ def _plain(value, depth: int = 0) -> bool:
 def refuse_mistraced(module: torch.nn.Module) -> None:
     """Raises CaptureError for a submodule whose trace differs from eager: a multi-layer RNN with
     dropout in training, whose dropout between layers torch's decomposition leaves out (a
-    condition that is never true, torch/_decomp/decompositions.py, _rnn_helper; 2.9 to 2.15)."""
+    condition that is never true, torch/_decomp/decompositions.py, _rnn_helper; 2.9 to 2.15); a
+    batch norm training with momentum=None, whose factor a graph would keep at its first value."""
     for name, m in module.named_modules():
+        if (  # (a batch norm, by what its forward reads)
+            m.training
+            and getattr(m, "track_running_stats", False)
+            and isinstance(getattr(m, "num_batches_tracked", None), torch.Tensor)
+            and getattr(m, "momentum", 0) is None
+        ):
+            raise CaptureError(
+                f"submodule '{name}' ({type(m).__name__}) has momentum=None: a cumulative average, whose factor "
+                "torch computes in Python from num_batches_tracked on each call, which a captured graph would keep "
+                "at its first value. torch.optim.swa_utils.update_bn sets it: call update_bn with the wrapped "
+                "module (update_bn(loader, ort_module.module)), which runs eagerly; or give the layer a momentum."
+            )
         if isinstance(m, torch.nn.RNNBase) and m.training and m.dropout > 0 and m.num_layers > 1:
             raise CaptureError(
                 f"submodule '{name}' ({type(m).__name__}, {m.num_layers} layers, dropout={m.dropout}) would train "

@@ -14,31 +14,14 @@ import warnings
 
 import onnxruntime as ort
 import torch
-import torch.nn.modules.module as nn_module
 
+from .._compat.torch_private import functorch_transforms_active, registered_members
 from .capture import Capture, flatten
-from .model_state import Constants, Hooks, settings
+from .model_state import Constants, Hooks, Members, settings
 from .session import GraphInputChanged
 
 log = logging.getLogger("ortbridge")
 MAX_CAPTURES = 8  # per signature: an older one is dropped
-
-# Bumped whenever any module gains or replaces a parameter, buffer or submodule: OrtModule walks
-# its module's parameters and buffers again only then, not on every call.
-_registrations = [0]
-
-
-def _registered(*args) -> None:
-    _registrations[0] += 1
-
-
-for _hook in (
-    nn_module.register_module_parameter_registration_hook,
-    nn_module.register_module_buffer_registration_hook,
-    nn_module.register_module_module_registration_hook,
-):
-    _hook(_registered)
-
 
 _training, _requires_grad = operator.attrgetter("training"), operator.attrgetter("requires_grad")
 
@@ -58,6 +41,10 @@ def _to_wrapped_names(module, state_dict: dict, prefix: str, *args) -> None:
     `<prefix><name>`; loading reads them from the OrtModule's child, `<prefix>module.<name>`."""
     for name in [k for k in state_dict if k.startswith(prefix)]:
         state_dict[f"{prefix}module.{name[len(prefix) :]}"] = state_dict.pop(name)
+
+
+def _others(now: list, then: list) -> bool:
+    return len(now) != len(then) or any(a is not b for a, b in zip(now, then))
 
 
 class _Bound(functools.partial):
@@ -90,9 +77,11 @@ class OrtModule(torch.nn.Module):
     requires_grad; other values) and of what its trace read besides them: each submodule's
     train/eval mode, the parameters' requires_grad, grad mode, autocast, deterministic algorithms,
     float32 matmul precision, hooks, and the plain values among the modules' attributes (dropout's
-    p, a flag). It is captured again once the module's submodules, parameters or buffers are others
-    (a layer replaced, load_state_dict(assign=True)) or change dtype, device or size in place
-    (model.double(), .to()). A hook on a submodule that a graph cannot run (any but weight_norm's
+    p, a flag). It is captured again once the module's submodules are others (a layer replaced), it
+    has more or fewer parameters or buffers, or one changes dtype, device or size (model.double(),
+    .to()); parameters and buffers that are only other tensors (torch.func.functional_call,
+    load_state_dict(assign=True)) are read from the module at each call and run in the captured
+    graphs. Inside a torch.func transform (grad, vmap, ...) it refuses to run. A hook on a submodule that a graph cannot run (any but weight_norm's
     and spectral_norm's) and a forward that changes the model's Python attributes are refused
     (CaptureError); hooks on the OrtModule itself run in PyTorch around the graphs. A copy
     (deepcopy, pickle, torch.save) captures again at its first call. With
@@ -141,7 +130,7 @@ class OrtModule(torch.nn.Module):
         }
         self._captures: dict = {}  # signature -> the captures made for it
         self._state: tuple = ((), (), ())  # the module's submodules, parameters and buffers, which the captures hold
-        self._state_registrations = None  # _registrations when _state was read
+        self._members = Members()  # (not read yet)
         self._submodules: list = []  # the module's named_modules()
         self._hooks = Hooks()
         # Nested in a parent module, a checkpoint has the wrapped module's names here too.
@@ -150,6 +139,13 @@ class OrtModule(torch.nn.Module):
 
     @_with_the_wrapped_signature
     def forward(self, *args, **kwargs):
+        if functorch_transforms_active():
+            raise RuntimeError(
+                "ortbridge.OrtModule cannot run inside a torch.func transform (grad, vmap, jacrev, jvp, ...): "
+                "ONNX Runtime runs its graphs outside the transform. For gradients with respect to given "
+                "parameters use torch.func.functional_call(ort_module, params, args) with torch.autograd.grad "
+                "(OrtModule runs the tensors it is given), or transform the wrapped module (ort_module.module)."
+            )
         if not kwargs and all(type(x) is torch.Tensor for x in args):  # (no pytree walk: most calls)
             leaves, spec = args, len(args)
         else:
@@ -167,7 +163,7 @@ class OrtModule(torch.nn.Module):
     def lookup(self, leaves, spec, tensors: list) -> tuple[tuple, Capture | None]:
         """(the key of a call with these flattened arguments, the capture that serves it or None):
         the check each call makes (benchmarks/guard_cost.py measures it)."""
-        if self._state_registrations != _registrations[0]:
+        if self._members.changed():
             self._check_state()
         key = (
             tuple(map(_training, self._state[0])),
@@ -201,15 +197,20 @@ class OrtModule(torch.nn.Module):
         return capture
 
     def _check_state(self) -> None:
-        """Drops the captures when the module's submodules, parameters or buffers are others than
-        those they hold (a layer replaced, load_state_dict(assign=True))."""
+        """Drops the captures when the module's submodules are others than those they hold (a layer
+        replaced) or it has other parameters or buffers; where only some parameters or buffers are
+        other tensors (functional_call, load_state_dict(assign=True)), the captures run them."""
         submodules = list(self.module.named_modules())
         state = ([m for _, m in submodules], list(self.module.parameters()), list(self.module.buffers()))
-        if any(
-            len(now) != len(then) or any(a is not b for a, b in zip(now, then)) for now, then in zip(state, self._state)
-        ):
+        if _others(state[0], self._state[0]) or any(len(now) != len(then) for now, then in zip(state, self._state)):
             self._captures.clear()
-        self._state, self._state_registrations = state, _registrations[0]
+        elif _others(state[1], self._state[1]) or _others(state[2], self._state[2]):
+            for capture in [c for captures in self._captures.values() for c in captures]:
+                if not capture.rebind():
+                    self._captures.clear()
+                    break
+        self._state = state
+        self._members = Members([self, *state[0]])
         self._submodules = submodules
         self._hooks.forget()
 
@@ -223,9 +224,7 @@ class OrtModule(torch.nn.Module):
         return self._state_without_captures()
 
     def _state_without_captures(self) -> dict:
-        return dict(
-            vars(self), _captures={}, _state=((), (), ()), _state_registrations=None, _submodules=[], _hooks=Hooks()
-        )
+        return dict(vars(self), _captures={}, _state=((), (), ()), _members=Members(), _submodules=[], _hooks=Hooks())
 
     def __deepcopy__(self, memo: dict):
         options = self.options["session_options"]
@@ -284,7 +283,11 @@ class OrtModule(torch.nn.Module):
             and name not in self._modules
             and hasattr(module, name)
         ):
-            setattr(module, name, value)
+            parameters = registered_members(module)[1]
+            if name in parameters and isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                parameters[name] = value  # (as torch.func.functional_call swaps a parameter of the wrapped module)
+            else:
+                setattr(module, name, value)
         else:
             super().__setattr__(name, value)
 

@@ -1,0 +1,170 @@
+"""OrtModule on the paths around a model that the ecosystem takes: torch.func's functional_call
+(MAML loops), torch.func transforms, and other models compiled with torch.compile in the same
+process. Each side by side with eager PyTorch: eager's results, or a refusal naming OrtModule."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from side_by_side import assert_close
+from torch.func import functional_call
+
+import ortbridge
+
+nn = torch.nn
+
+
+@pytest.fixture
+def captures(caplog):
+    """How many captures the test's OrtModules have made so far."""
+    caplog.set_level(logging.INFO, logger="ortbridge")
+    return lambda: sum(r.getMessage().startswith("capturing ") for r in caplog.records)
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.norm(self.fc1(x))))
+
+
+def _maml_outer_step(model, x_support, y_support, x_query, y_query, inner_steps: int = 3, lr: float = 0.1):
+    """One outer step of first-order MAML: inner SGD steps on adapted tensors through
+    functional_call, the query loss of the adapted parameters, its gradients on the model's.
+    (Second-order MAML, create_graph=True, differentiates the captured backward: refused.)"""
+    params = dict(model.named_parameters())
+    for _ in range(inner_steps):
+        loss = nn.functional.mse_loss(functional_call(model, params, (x_support,)), y_support)
+        grads = torch.autograd.grad(loss, list(params.values()))
+        params = {name: p - lr * g for (name, p), g in zip(params.items(), grads)}
+    outer = nn.functional.mse_loss(functional_call(model, params, (x_query,)), y_query)
+    return outer, torch.autograd.grad(outer, list(model.parameters()))
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+def test_functional_call_runs_the_tensors_it_is_given_as_eager_does(autocast, captures):
+    torch.manual_seed(0)
+    eager = Mlp()
+    wrapped = ortbridge.OrtModule(copy.deepcopy(eager))
+    x_support, y_support, x_query, y_query = (torch.randn(16, n) for n in (8, 4, 8, 4))
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        for step in range(3):  # (the first outer step captures; the next ones reuse it)
+            expected = _maml_outer_step(eager, x_support, y_support, x_query, y_query)
+            actual = _maml_outer_step(wrapped, x_support, y_support, x_query, y_query)
+            tolerance = dict(rtol=2e-2, atol=2e-2) if autocast else {}
+            assert_close(actual, expected, f"outer loss and gradients, step {step}", **tolerance)
+            with torch.no_grad():  # (the same outer update on both)
+                for p, q, g in zip(eager.parameters(), wrapped.parameters(), expected[1]):
+                    p -= 0.1 * g
+                    q.copy_(p)
+            for b, c in zip(eager.buffers(), wrapped.buffers()):
+                c.copy_(b)
+    # Adapted tensors are other tensors of the same dtypes and sizes: the captures run them.
+    assert captures() == 1, "adapted parameters captured again"
+    # And the module's own parameters again after functional_call restored them.
+    x = torch.randn(4, 8)
+    assert_close(wrapped(x), eager(x), "a plain call after functional_call")
+
+
+def test_functional_call_swaps_a_top_level_parameter_of_the_wrapped_module():
+    torch.manual_seed(0)
+    eager = nn.Linear(4, 2)
+    wrapped = ortbridge.OrtModule(copy.deepcopy(eager))
+    x = torch.randn(3, 4)
+    wrapped(x)
+    new = {name: p.detach() + 1.0 for name, p in eager.named_parameters()}
+    assert_close(functional_call(wrapped, new, (x,)), functional_call(eager, new, (x,)), "swapped parameters")
+    assert isinstance(wrapped.module.weight, nn.Parameter), "functional_call put the parameter back"
+    assert_close(wrapped(x), eager(x), "the module's own parameters again")
+
+
+def test_a_parameter_written_into_the_module_directly_is_run_without_capturing_again(captures):
+    torch.manual_seed(0)
+    eager = Mlp()
+    wrapped = ortbridge.OrtModule(copy.deepcopy(eager))
+    x = torch.randn(4, 8)
+    wrapped(x), wrapped(x)
+    for module in (eager, wrapped.module):  # (no registration: what torch.nn.utils.stateless does)
+        module.fc2._parameters["weight"] = nn.Parameter(torch.full((4, 16), 0.5))
+    assert_close(wrapped(x), eager(x), "after the write")
+    assert captures() == 1
+    # Another dtype is another graph: captured again, never bound as the old one.
+    for module in (eager, wrapped.module):
+        module.fc2._parameters["weight"] = nn.Parameter(torch.full((4, 16), 0.5, dtype=torch.float64))
+        module.fc2.bias.data = module.fc2.bias.data.double()
+    with pytest.raises(RuntimeError) as expected:
+        eager(x)
+    with pytest.raises(RuntimeError) as actual:
+        wrapped(x)
+    assert type(actual.value) is type(expected.value)
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        lambda o, x: torch.func.grad(lambda p: functional_call(o, p, (x,)).sum())(
+            {n: p.detach() for n, p in o.named_parameters()}
+        ),
+        lambda o, x: torch.func.vmap(o)(x.unsqueeze(1)),
+        lambda o, x: torch.func.jacrev(o)(x),
+    ],
+    ids=["grad", "vmap", "jacrev"],
+)
+def test_torch_func_transforms_over_an_ort_module_are_refused_naming_it(transform):
+    wrapped = ortbridge.OrtModule(nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    wrapped(x)
+    with pytest.raises(RuntimeError, match=r"OrtModule cannot run inside a torch\.func transform"):
+        transform(wrapped, x)
+    assert_close(wrapped(x), wrapped.module(x), "after the refusal")
+
+
+class _Sliced(nn.Module):
+    """A forward that builds a module on each call (a ModuleList slice, as Hugging Face's Llama
+    slices its layers): dynamo inlines ModuleList's construction, registration included."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers[:2]:
+            x = layer(x)
+        return x
+
+
+def test_other_models_compiled_in_the_process_compile_once():
+    ortbridge.OrtModule(nn.Linear(8, 8))(torch.randn(2, 8))  # (ortbridge imported and used)
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(_Sliced(), backend=counting)
+    x = torch.randn(2, 8)
+    for _ in range(6):
+        compiled(x)
+    assert len(graphs) == 1, f"{len(graphs)} graphs for 6 identical calls: ortbridge changed what dynamo guards on"
+
+
+def test_swa_update_bn_on_an_ort_module_is_refused_naming_momentum_and_on_its_module_runs_eagerly():
+    torch.manual_seed(0)
+    eager = Mlp()
+    wrapped = ortbridge.OrtModule(copy.deepcopy(eager))
+    loader = [torch.randn(16, 8) for _ in range(3)]
+    wrapped(loader[0])  # (a capture with the layer's momentum, before update_bn)
+    with pytest.raises(ortbridge.CaptureError, match=r"'norm' \(BatchNorm1d\) has momentum=None.*update_bn"):
+        torch.optim.swa_utils.update_bn(loader, wrapped)
+    wrapped.module.norm.momentum = 0.1  # (update_bn leaves it None when the forward raises)
+    torch.optim.swa_utils.update_bn(loader, eager)
+    torch.optim.swa_utils.update_bn(loader, wrapped.module)
+    assert_close(list(wrapped.buffers()), list(eager.buffers()), "running statistics")
+    x = torch.randn(4, 8)
+    assert_close(wrapped(x), eager(x), "a training call after update_bn")
