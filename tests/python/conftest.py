@@ -192,7 +192,17 @@ def pytest_configure(config):
     kernels.unsafe_nodes = unsafe_nodes
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """(pytest-xdist's controller: the kinds a worker's tests saw)"""
+    for k, test in node.workeroutput.get("graph_node_kinds", {}).items():
+        _GRAPH_NODE_KINDS.setdefault(k, test)
+
+
 def pytest_sessionfinish(session, exitstatus):
+    if hasattr(session.config, "workeroutput"):  # (a pytest-xdist worker: the controller checks them all)
+        session.config.workeroutput["graph_node_kinds"] = _GRAPH_NODE_KINDS
+        return
     missing = {k: test for k, test in _GRAPH_NODE_KINDS.items() if k not in audited_kinds()}
     if missing:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")

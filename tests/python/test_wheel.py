@@ -28,6 +28,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "python" / "ortbridge"
+# (one wheel: under pytest-xdist's --dist loadgroup these tests share one worker, and its fixtures)
+pytestmark = pytest.mark.xdist_group("wheel")
 EXT_SUFFIX = sysconfig.get_config_var("EXT_SUFFIX")  # e.g. .cpython-311-x86_64-linux-gnu.so
 PY_TAG = f"cp{sys.version_info.major}{sys.version_info.minor}"
 PLATFORM_TAG = sysconfig.get_platform().replace("-", "_").replace(".", "_")  # e.g. linux_x86_64
