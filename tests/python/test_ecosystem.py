@@ -168,3 +168,21 @@ def test_swa_update_bn_on_an_ort_module_is_refused_naming_momentum_and_on_its_mo
     assert_close(list(wrapped.buffers()), list(eager.buffers()), "running statistics")
     x = torch.randn(4, 8)
     assert_close(wrapped(x), eager(x), "a training call after update_bn")
+
+
+@pytest.mark.parametrize("wrapper", ["OrtModule", "compile"])
+def test_channels_last_outputs_come_back_channels_last(wrapper):
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+    eager = eager.to(memory_format=torch.channels_last)
+    model = copy.deepcopy(eager)
+    wrapped = ortbridge.OrtModule(model) if wrapper == "OrtModule" else torch.compile(model, backend="ortbridge")
+    x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            actual, expected = wrapped(x), eager(x)
+        assert actual.stride() == expected.stride(), f"strides {actual.stride()}, eager's {expected.stride()}"
+        assert_close(actual, expected, f"outputs (grad {grad})")
+    wrapped(x).sum().backward()
+    eager(x).sum().backward()
+    assert_close([p.grad for p in model.parameters()], [p.grad for p in eager.parameters()], "gradients")

@@ -110,6 +110,16 @@ def _filled(template: list, tensors) -> list:
     return [next(given) if x is _TENSOR else x for x in template]
 
 
+def _channels_last(t: torch.Tensor) -> torch.memory_format | None:
+    """channels_last (or its 3-D form) where `t`, a trace's output, is laid out so and not also
+    contiguous; else None. (None for symbolic sizes: asking would add guards.)"""
+    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    if t.dim() not in formats or not all(type(s) is int for s in (*t.shape, *t.stride())):
+        return None
+    f = formats[t.dim()]
+    return f if t.is_contiguous(memory_format=f) and not t.is_contiguous() else None
+
+
 class _Flat(torch.nn.Module):
     """`module(*args, **kwargs)` as a function of the tensors among the arguments, giving the
     tensors among the results (what AOTAutograd traces). The non-tensor leaves of arguments and
@@ -123,15 +133,21 @@ class _Flat(torch.nn.Module):
         self.result_spec = None
         self.result_leaves = None
         self.one_tensor = False
+        self.layouts: list = []  # each output tensor's memory format, where eager's is channels_last
 
     def forward(self, *tensors):
         args, kwargs = pytree.tree_unflatten(_filled(self.leaves, tensors), self.spec)
         leaves, self.result_spec = flatten(self.module(*args, **kwargs))
         self.result_leaves = _template(leaves)
         self.one_tensor = self.result_spec.is_leaf() and self.result_leaves == [_TENSOR]
-        return tuple(x for x in leaves if isinstance(x, torch.Tensor))
+        outputs = tuple(x for x in leaves if isinstance(x, torch.Tensor))
+        layouts = [_channels_last(x) for x in outputs]
+        self.layouts = layouts if any(layouts) else []
+        return outputs
 
     def result(self, tensors) -> object:
+        if self.layouts:  # (ONNX Runtime's outputs are contiguous: laid out as eager's)
+            tensors = [t if f is None else t.contiguous(memory_format=f) for t, f in zip(tensors, self.layouts)]
         if self.one_tensor:  # (the module returned one tensor: no pytree walk)
             return tensors[0]
         return pytree.tree_unflatten(_filled(self.result_leaves, tensors), self.result_spec)
