@@ -186,3 +186,47 @@ def test_channels_last_outputs_come_back_channels_last(wrapper):
     wrapped(x).sum().backward()
     eager(x).sum().backward()
     assert_close([p.grad for p in model.parameters()], [p.grad for p in eager.parameters()], "gradients")
+
+
+class _SeededNoise(torch.autograd.Function):
+    """As transformers' Reformer's reversible Function: its forward sets the layer's seed (a plain
+    attribute) and draws with it; its backward draws again with the same seed."""
+
+    @staticmethod
+    def forward(ctx, x, layer):
+        layer.seed = int(torch.randint(0, 2**31, ()).item())
+        ctx.layer, ctx.seed = layer, layer.seed
+        generator = torch.Generator().manual_seed(layer.seed)
+        return x * torch.rand(x.shape, generator=generator)
+
+    @staticmethod
+    def backward(ctx, g):
+        generator = torch.Generator().manual_seed(ctx.seed)
+        return g * torch.rand(g.shape, generator=generator), None
+
+
+class _Seeded(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.seed = nn.Linear(8, 8), 0
+
+    def forward(self, x):
+        return _SeededNoise.apply(self.fc(x), self)
+
+
+def test_an_attribute_a_function_running_in_pytorch_writes_is_not_refused(captures):
+    torch.manual_seed(0)
+    eager = _Seeded()
+    wrapped = ortbridge.OrtModule(copy.deepcopy(eager))
+    x = torch.randn(4, 8)
+    for step in range(3):
+        torch.manual_seed(step)
+        expected = eager(x)
+        expected.sum().backward()
+        torch.manual_seed(step)
+        actual = wrapped(x)
+        actual.sum().backward()
+        assert wrapped.module.seed == eager.seed, f"step {step}: the Function's write reaches the module"
+        assert_close(actual, expected, f"step {step}: outputs")
+    assert_close([p.grad for p in wrapped.parameters()], [p.grad for p in eager.parameters()], "gradients")
+    assert captures() == 1, "the seed the Function writes is no constant of the capture"

@@ -4,6 +4,7 @@ layout, output types, ranks and shapes; and the lookup of a traced call in that 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import onnx
 import torch
@@ -238,6 +239,8 @@ class Recorder:
         self.calls: list[Call] = []
         self.traced_through: set[str] = set()  # Functions seen but not exported
         self.registered: list[type] = []  # by this recorder (all_functions)
+        # Entered around each recorded Function's forward (a capture watches the model's attributes).
+        self.around_calls: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         self._depth = 0
 
     def selected_name(self, func: type) -> str | None:
@@ -306,7 +309,7 @@ class Recorder:
         saved = set()  # storage addresses of what forward kept for backward
         self._depth += 1
         try:
-            with _saved_storages(saved) if self.training else contextlib.nullcontext():
+            with _saved_storages(saved) if self.training else contextlib.nullcontext(), self.around_calls():
                 result = original(*args)
         finally:
             self._depth -= 1

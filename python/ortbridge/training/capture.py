@@ -14,6 +14,7 @@ Runtime, glued into torch autograd by AOTAutograd.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -46,7 +47,7 @@ from .._tracing.interception import intercepted
 from .._tracing.record import CallTable, Recorder
 from . import ops
 from .fx_passes import DECOMPOSITIONS, tiled_pads_as_cat
-from .model_state import CaptureError, attributes, refuse_changes, refuse_mistraced
+from .model_state import CaptureError, attributes, changed_attributes, refuse_changes, refuse_mistraced
 from .partition import partition
 from .session import GraphSession
 from .stages import StagedBackward, stages_for
@@ -249,8 +250,10 @@ class Capture(NotCopyable):
         try:
             refuse_mistraced(module)
             before = attributes(module)
+            recorder.around_calls = functools.partial(self._watched, module)
+            self.written: set = set()  # attributes the Functions' forwards wrote (in PyTorch at every call)
             recorder.run(module, args, kwargs)
-            refuse_changes(before, module, added=True)
+            refuse_changes(before, module, added=True, written=self.written)
             # What the record run added (lazy initialization), which the trace must leave as it is. (Not
             # the others: torch's RNNs rebind their flat weights to the trace's tensors, and again to
             # the parameters at their next eager call.)
@@ -300,6 +303,13 @@ class Capture(NotCopyable):
         except BaseException:
             recorder.unregister_new()  # (a failed capture leaves no Function registered)
             raise
+
+    @contextlib.contextmanager
+    def _watched(self, module: torch.nn.Module):
+        """Around a recorded Function's forward: the module attributes it writes go to `written`."""
+        before = attributes(module)
+        yield
+        self.written.update(changed_attributes(before, attributes(module)))
 
     def rebind(self) -> bool:
         """Reads the module's parameters and buffers again by name, for its next runs (other tensors,

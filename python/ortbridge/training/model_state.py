@@ -152,10 +152,16 @@ class Constants:
     those of the plain objects a module holds (a Hugging Face config), which a trace reads as
     constants: a capture runs only while they hold (one get and compare per object)."""
 
-    def __init__(self, modules: list):
+    def __init__(self, modules: list, written: frozenset = frozenset()):
+        """`written`: (submodule name, attribute) of module attributes that a Function running as a
+        PythonOp writes, in PyTorch at every call: not constants."""
         self._held = []  # (an object's __dict__, a getter of its plain values' names, a copy of their values)
-        for attributes in _holders(modules):
-            names = [k for k, v in attributes.items() if k not in MODULE_INTERNALS and _plain(v)]
+        for module_name, attributes in _holders(modules):
+            names = [
+                k
+                for k, v in attributes.items()
+                if k not in MODULE_INTERNALS and _plain(v) and (module_name, k) not in written
+            ]
             if names:
                 get = operator.itemgetter(*names, *names[:1])  # (twice the first: a tuple, for one name too)
                 self._held.append((attributes, get, copy.deepcopy(get(attributes))))
@@ -168,13 +174,14 @@ class Constants:
 
 
 def _holders(modules: list):
-    """The __dict__ of each module, then of each plain object a module holds (once each)."""
+    """(the module's name, its __dict__) of each module, then (None, the __dict__) of each plain
+    object a module holds (once each)."""
     seen = set()
-    for _, m in _written_in_python(modules):
+    for name, m in _written_in_python(modules):
         for holder in (m, *(v for k, v in vars(m).items() if k not in MODULE_INTERNALS and _record(v))):
             if id(holder) not in seen:
                 seen.add(id(holder))
-                yield vars(holder)
+                yield (name if holder is m else None), vars(holder)
 
 
 def _record(value) -> bool:
@@ -257,17 +264,26 @@ def _same(a: tuple, b: tuple) -> bool:
     return len(entries) == len(x) and all(u is v for u, v in zip(entries, x))
 
 
-def refuse_changes(before: dict, module: torch.nn.Module, added: bool = False) -> None:
-    """Raises CaptureError if a run of forward changed an attribute of `before` (attributes(module)
-    before it), after putting every changed one back: the capture leaves the model as it was.
-    `added`: attributes the run added are no change (lazy initialization, as transformers'
-    `_output_capturing_hooks_installed`; the capture checks that the trace changes them no more)."""
-    after = attributes(module)
-    changed = sorted(
+def changed_attributes(before: dict, after: dict, added: bool = False) -> list:
+    """The keys of the attributes that differ between two attributes() of one module (with
+    `added`, not those only `after` has)."""
+    return sorted(
         k
         for k in (before.keys() if added else before.keys() | after.keys())
         if k not in before or k not in after or not _same(before[k], after[k])
     )
+
+
+def refuse_changes(
+    before: dict, module: torch.nn.Module, added: bool = False, written: frozenset = frozenset()
+) -> None:
+    """Raises CaptureError if a run of forward changed an attribute of `before` (attributes(module)
+    before it), after putting every changed one back: the capture leaves the model as it was.
+    `added`: attributes the run added are no change (lazy initialization, as transformers'
+    `_output_capturing_hooks_installed`; the capture checks that the trace changes them no more).
+    `written`: attributes a Function running as a PythonOp wrote, which it writes at every call."""
+    after = attributes(module)
+    changed = [k for k in changed_attributes(before, after, added) if k not in written]
     if not changed:
         return
     first = changed[0]  # (described before anything is put back)

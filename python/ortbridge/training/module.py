@@ -189,9 +189,9 @@ class OrtModule(torch.nn.Module):
         name = f"{type(self.module).__name__}_{hashlib.sha1(repr(key).encode()).hexdigest()[:10]}_{len(captures)}"
         log.info("capturing %s (%s mode)", name, "train" if self.module.training else "eval")
         started = time.perf_counter()
-        constants = Constants(self._submodules)
         capture = Capture(self.module, args, kwargs, self.all_functions, self.dynamic, self.options, name)
-        capture.constants = constants
+        # (the values the trace read: the capture leaves every attribute as it was, but those its Functions write)
+        capture.constants = Constants(self._submodules, frozenset(capture.written))
         log.info("captured %s in %.2f s", name, time.perf_counter() - started)
         captures.append(capture)
         return capture
