@@ -9,6 +9,7 @@ import logging
 
 import pytest
 import torch
+import transformers
 from side_by_side import assert_close
 from torch.func import functional_call
 
@@ -230,3 +231,47 @@ def test_an_attribute_a_function_running_in_pytorch_writes_is_not_refused(captur
         assert_close(actual, expected, f"step {step}: outputs")
     assert_close([p.grad for p in wrapped.parameters()], [p.grad for p in eager.parameters()], "gradients")
     assert captures() == 1, "the seed the Function writes is no constant of the capture"
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_hugging_face_gradient_checkpointing_trains_as_eager(reentrant, captures):
+    """gradient_checkpointing_enable adds transformers' enable_input_require_grads hook (traced);
+    use_reentrant=True runs torch's CheckpointFunction with a partial of the layer's call."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=99, n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
+    )
+    eager = transformers.GPT2LMHeadModel(config).train()
+    eager.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    wrapped = ortbridge.OrtModule(copy.deepcopy(eager))
+    ids = torch.randint(0, 99, (3, 14))
+    mask = torch.ones(3, 14, dtype=torch.long)
+    mask[0, -3:] = 0
+    for step in range(2):
+        expected = eager(input_ids=ids, attention_mask=mask, labels=ids).loss
+        actual = wrapped(input_ids=ids, attention_mask=mask, labels=ids).loss
+        expected.backward(), actual.backward()
+        assert_close(actual, expected, f"step {step}: loss")
+        assert_close([p.grad for p in wrapped.parameters()], [p.grad for p in eager.parameters()], "gradients")
+    assert captures() == 1
+
+
+def test_a_reentrant_checkpoint_without_inputs_needing_grad_gives_its_parameters_none_as_eager():
+    torch.manual_seed(0)
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.head = nn.Linear(8, 8), nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.head(torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=True))
+
+    eager = Checkpointed()
+    wrapped = ortbridge.OrtModule(copy.deepcopy(eager))
+    x = torch.randn(4, 8)  # (no gradient: eager's reentrant checkpoint gives the segment none)
+    with pytest.warns(UserWarning, match="None of the inputs have requires_grad"):
+        eager(x).sum().backward()
+    wrapped(x).sum().backward()
+    assert [p.grad is None for p in wrapped.parameters()] == [p.grad is None for p in eager.parameters()]
+    assert_close(wrapped.module.head.weight.grad, eager.head.weight.grad, "the head's gradient")

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import onnx
 import torch
+from torch.utils.checkpoint import CheckpointFunction
 
 from .. import registry
 from .._compat import torch_private
@@ -224,6 +225,20 @@ class CallTable:
 _NOT_THE_MODELS = (DYNAMO_FUNCTION_MODULE, CUSTOM_OP_AUTOGRAD_MODULE)
 
 
+def checkpointed_segment(args: tuple, kwargs: dict):
+    """What torch.utils.checkpoint's reentrant Function (use_reentrant=True; transformers' default
+    gradient checkpointing) computes, as a graph can hold it: CheckpointFunction.apply(function,
+    preserve_rng_state, *args) runs function(*args) and, in backward, again under the same random
+    state, so its gradients are the segment's own derivative's. Eager's gives none where no tensor
+    argument requires grad: then under no_grad too. (The Function itself cannot be traced:
+    AOTAutograd derives with torch.autograd.grad, which it refuses.)"""
+    assert not kwargs, "CheckpointFunction.apply takes positional arguments"
+    function, _, *inputs = args
+    needs_grad = any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
+    with contextlib.nullcontext() if needs_grad else torch.no_grad():
+        return function(*inputs)
+
+
 class Recorder:
     """Runs the model once eagerly and records each top-level call of an exported Function:
     registered ones, or every Function with `all_functions` (those are registered here, under
@@ -296,6 +311,8 @@ class Recorder:
                         tensor.copy_(saved)
 
     def _apply(self, func, original, args, kwargs):
+        if func is CheckpointFunction and self._depth == 0:
+            return checkpointed_segment(args, kwargs)
         name = self.selected_name(func) if self._depth == 0 else None
         if name is None:
             if self._depth == 0 and func.__module__ not in _NOT_THE_MODELS:

@@ -30,6 +30,7 @@ from torch.fx.experimental.symbolic_shapes import (
     StatelessSymbolicContext,
 )
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import CheckpointFunction
 
 from .._compat.torch_private import (
     DataDependentOutputException,
@@ -44,7 +45,7 @@ from .._compat.torch_private import (
 )
 from .._copying import NotCopyable
 from .._tracing.interception import intercepted
-from .._tracing.record import CallTable, Recorder
+from .._tracing.record import CallTable, Recorder, checkpointed_segment
 from . import ops
 from .fx_passes import DECOMPOSITIONS, tiled_pads_as_cat
 from .model_state import CaptureError, attributes, changed_attributes, refuse_changes, refuse_mistraced
@@ -156,6 +157,8 @@ class _Flat(torch.nn.Module):
 
 def _python_op_apply(table: CallTable):
     def apply(func, original, args, kwargs):
+        if func is CheckpointFunction:  # (as the record run ran it)
+            return checkpointed_segment(args, kwargs)
         arguments, call = table.match(func, args, kwargs)
         return ops.python_op_call(call, arguments)
 
@@ -272,7 +275,7 @@ class Capture(NotCopyable):
             fused = on_cpu and torch.backends.cuda.flash_sdp_enabled()  # (unless the caller's sdpa_kernel excludes it)
             attention = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH] if fused else [SDPBackend.MATH]
             with (
-                intercepted(table.functions, _python_op_apply(table)),
+                intercepted({*table.functions, CheckpointFunction}, _python_op_apply(table)),
                 sdpa_kernel(attention),
                 compiling_state_context(),
                 tracing(context),

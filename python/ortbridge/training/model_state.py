@@ -36,8 +36,18 @@ TRACED_HOOKS = (WeightNorm, SpectralNorm)
 _COLLECTING_HOOK_MODULES = ("transformers.utils.output_capturing",)
 
 
+# Hooks whose whole work is requires_grad_(True) on a module's output (transformers'
+# enable_input_require_grads, which its gradient checkpointing turns on, for reentrant checkpoints):
+# the trace runs them; in a graph gradients flow by the graph's own derivative.
+_REQUIRES_GRAD_HOOKS = (("transformers.modeling_utils", "make_inputs_require_grads"),)
+
+
 def _traced(hook) -> bool:
-    return isinstance(hook, TRACED_HOOKS) or getattr(hook, "__module__", None) in _COLLECTING_HOOK_MODULES
+    return (
+        isinstance(hook, TRACED_HOOKS)
+        or getattr(hook, "__module__", None) in _COLLECTING_HOOK_MODULES
+        or (getattr(hook, "__module__", None), getattr(hook, "__name__", None)) in _REQUIRES_GRAD_HOOKS
+    )
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
