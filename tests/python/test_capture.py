@@ -18,7 +18,7 @@ import onnx
 import pytest
 import torch
 from test_training import _all_captures, train_like_eager
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointFunction, checkpoint
 
 import ortbridge
 from ortbridge import registry
@@ -494,34 +494,45 @@ def test_parameters_and_modules_have_the_wrapped_modules_names():
 # --- arguments ----------------------------------------------------------------------------------
 
 
+class Recomputes(CheckpointFunction):
+    """A Function of the model's that takes a function (torch's reentrant checkpoint, as the
+    model's own: torch's runs as the segment it checkpoints)."""
+
+
 class Checkpointed(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, apply=Recomputes.apply):
         super().__init__()
         self.lin = torch.nn.Linear(4, 4)
         self.block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+        self.apply_checkpoint = apply
 
     def forward(self, x):
-        h = checkpoint(self.block.forward, self.lin(x), use_reentrant=True)  # a bound method made on each call
-        return checkpoint(lambda t: self.block(t) * 2, h, use_reentrant=True)  # a lambda made on each call
+        h = self.apply_checkpoint(self.block.forward, True, self.lin(x))  # a bound method made on each call
+        return self.apply_checkpoint(lambda t: self.block(t) * 2, True, h)  # a lambda made on each call
 
 
-def test_checkpoint_through_a_bound_method_and_a_lambda():
+def test_a_function_given_a_bound_method_and_a_lambda():
     torch.manual_seed(0)
     wrapped = train_like_eager(Checkpointed())
-    assert _graph_nodes(wrapped, 0) == ["torch.utils.checkpoint.CheckpointFunction"] * 2
+    assert _graph_nodes(wrapped, 0) == ["test_capture.Recomputes"] * 2
+
+
+def test_torchs_reentrant_checkpoint_runs_as_its_segment():
+    torch.manual_seed(0)
+    wrapped = train_like_eager(Checkpointed(lambda f, preserve, x: checkpoint(f, x, use_reentrant=True)))
+    assert _graph_nodes(wrapped, 0) == []
 
 
 class HoldsTensor(torch.nn.Module):
     def forward(self, x):
         offset = x.detach() * 2  # a tensor of this run, which a graph constant cannot stay
-        return checkpoint(lambda t: t + offset, x, use_reentrant=True)
+        return Recomputes.apply(lambda t: t + offset, True, x)
 
 
 def test_a_callable_holding_a_tensor_of_the_run_is_refused_naming_the_argument():
     with pytest.raises(
         ortbridge.ExportError,
-        match=r"argument 0 of .*CheckpointFunction.apply is a function that "
-        r"holds a \(3,\) tensor",
+        match=r"argument 0 of .*Recomputes.apply is a function that holds a \(3,\) tensor",
     ):
         ortbridge.OrtModule(HoldsTensor())(torch.ones(3, requires_grad=True))
 
