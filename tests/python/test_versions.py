@@ -21,13 +21,14 @@ def _project() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 
-def _ci_cells() -> list[tuple[str, str]]:
-    """(torch, Python) of each CI run: setup.sh's pin on CI's Python, then test.sh's compatibility cells."""
+def _ci_cells() -> list[tuple[str, str, str | None]]:
+    """(torch, Python, onnxruntime or None: the newest) of each CI run: setup.sh's pin on CI's
+    Python, then test.sh's compatibility cells."""
     test_sh = (ROOT / "scripts" / "test.sh").read_text()
     setup_sh = (ROOT / "scripts" / "setup.sh").read_text()
-    main = (re.search(r"TORCH_VERSION:-([0-9.]+)", setup_sh).group(1), "3.11")
+    main = (re.search(r"TORCH_VERSION:-([0-9.]+)", setup_sh).group(1), "3.11", None)
     cells = re.search(r"TORCH_COMPAT-([0-9.: ]+)\}", test_sh).group(1).split()
-    return [main, *(tuple(c.split(":")) for c in cells)]
+    return [main, *((*c.split(":")[:2], (c.split(":")[2:] or [None])[0]) for c in cells)]
 
 
 def test_declared_minimums_are_the_versions_ci_tests():
@@ -35,22 +36,24 @@ def test_declared_minimums_are_the_versions_ci_tests():
     extras = project["optional-dependencies"]
     floors = dict(d.split(">=") for d in project["dependencies"] + extras["cpu"])
     cells = _ci_cells()
-    ort_versions = re.search(r"ORT_COMPAT_VERSIONS-([0-9. ]+)\}", (ROOT / "scripts" / "test.sh").read_text()).group(1)
-    assert minor(floors["torch"]) == min(minor(t) for t, _ in cells)
+    assert minor(floors["torch"]) == min(minor(t) for t, _, _ in cells)
     assert minor(floors["torch"]) == torch_private.OLDEST
-    assert minor(floors["onnxruntime"]) == min(minor(v) for v in ort_versions.split())
-    assert minor(project["requires-python"].removeprefix(">=")) == min(minor(p) for _, p in cells)
+    assert minor(floors["onnxruntime"]) == min(minor(v) for _, _, v in cells if v)
+    assert minor(project["requires-python"].removeprefix(">=")) == min(minor(p) for _, p, _ in cells)
 
 
 def test_ci_runs_the_newest_python_the_package_declares():
     classifiers = [c for c in _project().get("classifiers", []) if c.startswith("Programming Language :: Python :: 3.")]
     declared = sorted(minor(c.rsplit(" ", 1)[1]) for c in classifiers)
     assert declared, "pyproject.toml declares no Python versions (classifiers)"
-    assert declared == sorted({minor(p) for _, p in _ci_cells()})
+    assert declared == sorted({minor(p) for _, p, _ in _ci_cells()})
 
 
 def test_readme_matrix_is_what_ci_runs():
     readme = (ROOT / "docs" / "building.md").read_text()
     table = readme[readme.index("<!-- test matrix -->") : readme.index("<!-- /test matrix -->")]
-    rows = {(m.group(1), m.group(2)) for m in re.finditer(r"^\| (2\.\d+\.\d+) \| 3\.(\d+) \|", table, re.M)}
-    assert rows == {(t, p.split(".")[1]) for t, p in _ci_cells()}
+    rows = {
+        (m.group(1), m.group(2), m.group(3))
+        for m in re.finditer(r"^\| (2\.\d+\.\d+) \| 3\.(\d+) \| (\d+\.\d+\.\d+|newest)\b", table, re.M)
+    }
+    assert rows == {(t, p.split(".")[1], v or "newest") for t, p, v in _ci_cells()}
