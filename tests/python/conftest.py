@@ -194,8 +194,9 @@ def pytest_configure(config):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
-    """(pytest-xdist's controller: the kinds a worker's tests saw)"""
-    for k, test in node.workeroutput.get("graph_node_kinds", {}).items():
+    """(pytest-xdist's controller: the kinds a worker's tests saw; none from a worker that crashed,
+    whose crash fails the run)"""
+    for k, test in getattr(node, "workeroutput", {}).get("graph_node_kinds", {}).items():
         _GRAPH_NODE_KINDS.setdefault(k, test)
 
 
