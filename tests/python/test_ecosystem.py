@@ -275,24 +275,3 @@ def test_a_reentrant_checkpoint_without_inputs_needing_grad_gives_its_parameters
     wrapped(x).sum().backward()
     assert [p.grad is None for p in wrapped.parameters()] == [p.grad is None for p in eager.parameters()]
     assert_close(wrapped.module.head.weight.grad, eager.head.weight.grad, "the head's gradient")
-
-
-def test_loading_and_converting_in_swap_tensors_mode_as_eager():
-    """torch.__future__.set_swap_module_params_on_conversion(True): load_state_dict and .double()
-    swap each parameter's contents (torch.utils.swap_tensors refuses a tensor with a weak reference)."""
-    torch.manual_seed(0)
-    eager = Mlp()
-    wrapped = ortbridge.OrtModule(copy.deepcopy(eager))
-    x = torch.randn(4, 8)
-    wrapped(x).sum().backward()
-    state = {name: value + 0.5 for name, value in eager.state_dict().items()}
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
-        for module in (eager, wrapped):
-            module.load_state_dict(state)
-        assert_close(wrapped(x), eager(x), "after load_state_dict")
-        for module in (eager, wrapped):
-            module.double()
-        assert_close(wrapped(x.double()), eager(x.double()), "after .double()")
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(False)

@@ -399,15 +399,6 @@ def onnx_exporter() -> types.SimpleNamespace:
 ONNX_REGISTRATION_LOGGER = "torch.onnx._internal.exporter._registration"
 
 
-def forget_real_tensors(mode) -> None:
-    """Drops the weak references a FakeTensorMode keeps to the real tensors it made fakes of (its
-    meta converter's lookup tables, 2.9 to 2.15): torch.utils.swap_tensors, which load_state_dict
-    uses in swap mode, refuses a tensor that has one."""
-    describer = mode.fake_tensor_converter.meta_converter.describer
-    describer.lookup_tensor.clear()
-    describer.lookup_storage.clear()
-
-
 # --- nn.Module's hooks ----------------------------------------------------------------------------
 
 _MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")

@@ -40,7 +40,6 @@ from .._compat.torch_private import (
     aot_module_simplified,
     capture_config,
     compiling_state_context,
-    forget_real_tensors,
     pytree,
     tracing,
 )
@@ -304,7 +303,6 @@ class Capture(NotCopyable):
             if dynamic:
                 code = shape_env.produce_guards_expression(fakes, ignore_static=False)
                 self._guards = code and (compile(code, "<ortbridge guards>", "eval"), shape_env)
-            forget_real_tensors(mode)  # (the graphs' fakes keep the mode: swap_tensors refuses what it refers to)
         except BaseException:
             recorder.unregister_new()  # (a failed capture leaves no Function registered)
             raise
