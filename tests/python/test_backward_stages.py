@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 import training_functions as tf
+from conftest import needs_bfloat16_binding
 from side_by_side import assert_close, train_side_by_side
 from test_training import _all_captures, transformer_block
 
@@ -197,6 +198,7 @@ def test_gradients_of_only_the_last_block():
     assert ortbridge.context_pool_size() == 0
 
 
+@needs_bfloat16_binding
 def test_under_autocast_aotautograds_runtime_runs_the_stages_in_one_call():
     """Under autocast AOTAutograd's runtime runs the graphs: it calls the staged backward whole."""
     eager = _plain_layers()

@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 import transformers
+from conftest import needs_bfloat16_binding
 from side_by_side import assert_close
 from torch.func import functional_call
 
@@ -47,7 +48,10 @@ def _maml_outer_step(model, x_support, y_support, x_query, y_query, inner_steps:
     return outer, torch.autograd.grad(outer, list(model.parameters()))
 
 
-@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+@pytest.mark.parametrize(
+    "autocast",
+    [pytest.param(False, id="float32"), pytest.param(True, id="bf16-autocast", marks=needs_bfloat16_binding)],
+)
 def test_functional_call_runs_the_tensors_it_is_given_as_eager_does(autocast, captures):
     torch.manual_seed(0)
     eager = Mlp()

@@ -15,6 +15,7 @@ import os
 import onnxruntime
 import pytest
 import torch
+from conftest import BINDS_BFLOAT16
 
 import ortbridge
 from ortbridge._tracing import fallback, kernels
@@ -29,8 +30,6 @@ F = torch.nn.functional
 # cancels most of its terms: eager's in bfloat16 was 16% off float64's, OrtModule's 8%), the
 # tolerance is twice eager's own error: OrtModule as close to float64 as eager, or closer.
 TOLERANCE = {torch.bfloat16: 4e-2, torch.float16: 1e-2}
-# (IOBinding takes bfloat16 buffers, as an ONNX element type, from onnxruntime 1.20)
-BINDS_BFLOAT16 = tuple(int(v) for v in onnxruntime.__version__.split(".")[:2]) >= (1, 20)
 MODES = {"bf16_model": torch.bfloat16, "autocast_bf16": torch.bfloat16, "autocast_fp16": torch.float16}
 
 
