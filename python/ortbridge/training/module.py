@@ -81,9 +81,9 @@ class OrtModule(torch.nn.Module):
     has more or fewer parameters or buffers, or one changes dtype, device or size (model.double(),
     .to()); parameters and buffers that are only other tensors (torch.func.functional_call,
     load_state_dict(assign=True)) are read from the module at each call and run in the captured
-    graphs. Inside a torch.func transform (grad, vmap, ...) it refuses to run. A hook on a submodule that a graph cannot run (any but weight_norm's
-    and spectral_norm's) and a forward that changes the model's Python attributes are refused
-    (CaptureError); hooks on the OrtModule itself run in PyTorch around the graphs. A copy
+    graphs. Inside a torch.func transform (grad, vmap, ...) it refuses to run. A hook on a
+    submodule that a graph cannot run (any but weight_norm's and spectral_norm's) and a forward
+    that changes the model's Python attributes are refused (CaptureError); hooks on the OrtModule itself run in PyTorch around the graphs. A copy
     (deepcopy, pickle, torch.save) captures again at its first call. With
     `dynamic=True` tensor sizes are symbols instead: a capture serves every call with sizes that
     meet the relations its trace relied on (sizes 0 and 1 are specialized, as torch does). Under
