@@ -17,12 +17,13 @@ from ort_kernel_cases import audited_kinds, kind
 
 import ortbridge
 from ortbridge import registry
+from ortbridge._compat import ort_private
 from ortbridge._tracing import kernels
 
 OPSETS = [helper.make_opsetid("", 17), helper.make_opsetid("ortbridge", 1)]
 # IOBinding takes bfloat16 buffers, as an ONNX element type, from onnxruntime 1.20 (the package
 # says so where a bfloat16 graph input meets an older release).
-BINDS_BFLOAT16 = tuple(int(v) for v in ort.__version__.split(".")[:2]) >= (1, 20)
+BINDS_BFLOAT16 = ort_private.RELEASE >= (1, 20)
 needs_bfloat16_binding = pytest.mark.skipif(
     not BINDS_BFLOAT16, reason=f"bfloat16 graph inputs need onnxruntime 1.20 or later; this is {ort.__version__}"
 )

@@ -9,6 +9,8 @@ torch.compile(backend="ortbridge"), both exporters.
   the TorchScript path, whose exporter writes them wrongly on any thread count.
 - topk and sort: ONNX's TopK orders equal values by index, torch.topk otherwise. Training graphs
   run them in PyTorch; a model file keeps TopK, as ONNX defines it.
+- Products over an empty inner dimension: ONNX Runtime 1.19's MatMul leaves its output unwritten.
+  On 1.19 they run in PyTorch.
 """
 
 from __future__ import annotations
@@ -243,3 +245,34 @@ def test_exported_topk_stays_onnx():
     proto = ortbridge.export(model, (x,))
     assert "TopK" in {n.op_type for n in proto.graph.node}
     assert not kernels.unsafe_nodes(proto)
+
+
+class _EmptyInner(torch.nn.Module):
+    """Products over an empty inner dimension (a LoRA of rank 0): zeros, which ONNX Runtime 1.19's
+    MatMul leaves unwritten."""
+
+    def __init__(self):
+        super().__init__()
+        self.down = torch.nn.Parameter(torch.randn(256, 0))
+        self.up = torch.nn.Parameter(torch.randn(0, 256))
+
+    def forward(self, x):
+        return x + (x @ self.down) @ self.up
+
+
+def test_products_over_an_empty_inner_dimension_are_zeros():
+    """Eager's zeros on every run and path: in ONNX Runtime from 1.20, in PyTorch on 1.19 (the
+    MatMul on the deny list there, which no graph keeps)."""
+    torch.manual_seed(0)
+    x = torch.randn(512, 256)
+    for name, wrap in WRAPPERS.items():
+        torch._dynamo.reset()
+        wrapped = train_side_by_side(
+            _EmptyInner(), lambda step: ((x + step,), {}), lambda out, step: out.square().mean(), steps=RUNS, wrap=wrap
+        )
+        if name == "OrtModule":
+            assert not any(kernels.unsafe_nodes(s.model, eager_exact=True) for s in _sessions(wrapped))
+    proto = ortbridge.export(_EmptyInner(), (x,))
+    assert not kernels.unsafe_nodes(proto)
+    for _ in range(RUNS):
+        _assert_close(_run_in_ort(proto, (x,))[0], x.numpy())

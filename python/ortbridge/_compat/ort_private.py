@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 
 import onnx
 import onnxruntime as ort
+
+# (major, minor) of the installed onnxruntime: where releases differ (1.19 and 1.20: bfloat16
+# binding, MatMul of an empty inner dimension)
+RELEASE = tuple(int(part) for part in re.findall(r"\d+", ort.__version__)[:2])
 
 try:  # onnxruntime-training's gradient builder and TrainingAgent (training/ort_gradient.py)
     from onnxruntime.capi import _pybind_state as training_c

@@ -1,9 +1,9 @@
 """torch dtype <-> ONNX TensorProto element type, from the kernel library's one table."""
 
-import onnxruntime as ort
 import torch
 
 from .. import _C
+from .._compat import ort_private
 
 # Every torch dtype by its name (torch.float32 -> "float32"): a fixed table, so that a name from a
 # model file never reaches getattr(torch, ...) and torch's lazy module loader.
@@ -34,5 +34,5 @@ def numpy_type(dtype: torch.dtype):
 
 
 _NUMPY = {d: torch.empty(0, dtype=d).numpy().dtype for d in TO_ONNX if d is not torch.bfloat16}
-if torch.bfloat16 in TO_ONNX and tuple(int(v) for v in ort.__version__.split(".")[:2]) >= (1, 20):
+if torch.bfloat16 in TO_ONNX and ort_private.RELEASE >= (1, 20):
     _NUMPY[torch.bfloat16] = TO_ONNX[torch.bfloat16]

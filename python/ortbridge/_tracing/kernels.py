@@ -20,6 +20,7 @@ import onnxruntime as ort
 import onnxruntime.capi.onnxruntime_pybind11_state as ort_capi
 from onnx import helper
 
+from .._compat import ort_private
 from .nodes import DOMAIN
 
 # The exporter's record of the FX node a node translates ("%mm_1 : [num_users=1] = ..."); else its
@@ -118,13 +119,20 @@ class UnsafeKernel:
     to a model file."""
 
     op_type: str
-    applies: Callable[[onnx.NodeProto], bool]
+    applies: Callable[[onnx.NodeProto, dict[str, list]], bool]  # (the node, its graph's static shapes)
     reason: str
     wrong: bool = True
 
 
 def _reduction(node: onnx.NodeProto) -> str:
     return next((a.s.decode() for a in node.attribute if a.name == "reduction"), "none")
+
+
+def _empty_inner_dim(node: onnx.NodeProto, shapes: dict[str, list]) -> bool:
+    """Whether a MatMul's inner dimension is 0 (A's last, B's second-to-last, of a vector its one).
+    Known where it is: torch's exporters write a size of 0 as a constant, dynamic shapes too."""
+    a, b = (shapes.get(v) for v in node.input[:2])
+    return (bool(a) and a[-1] == 0) or (bool(b) and b[-2 if len(b) > 1 else 0] == 0)
 
 
 # The deny list (docs/ort_kernels.md): found by tests/python/test_ort_kernel_audit.py, which runs
@@ -135,7 +143,7 @@ def _reduction(node: onnx.NodeProto) -> str:
 UNSAFE_KERNELS = (
     UnsafeKernel(
         "ScatterND",
-        lambda node: _reduction(node) != "none",
+        lambda node, shapes: _reduction(node) != "none",
         "with a reduction, ONNX Runtime's CPU kernel splits the updates among its threads, and two "
         "threads updating one place race: with repeated indices and 2 or more intra-op threads, updates "
         "are lost (one row updated 1,092 times: max error 70, 10 runs of 10 wrong, ONNX Runtime 1.19 to "
@@ -143,11 +151,18 @@ UNSAFE_KERNELS = (
     ),
     UnsafeKernel(
         "TopK",
-        lambda node: True,
+        lambda node, shapes: True,
         "of equal values it takes the first ones, as ONNX defines it, where torch.topk takes others "
         "(of [1, 3, 3, 2, 3] the 3s at 1 and 2, torch those at 2 and 4), so that indices and "
         "gradients go elsewhere than eager's. torch's exporter writes topk and sort so",
         wrong=False,
+    ),
+    UnsafeKernel(
+        "MatMul",
+        lambda node, shapes: ort_private.RELEASE < (1, 20) and _empty_inner_dim(node, shapes),
+        "of an empty inner dimension (a sum of no products: zeros), ONNX Runtime 1.19's CPU kernel "
+        "leaves its output unwritten, so that it holds whatever the memory held (1 run in 2 wrong, "
+        "infinities among them); 1.20 writes zeros",
     ),
 )
 
@@ -170,6 +185,7 @@ def nodes_of(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
 def unsafe_nodes(model: onnx.ModelProto, eager_exact: bool = False) -> list[tuple[onnx.NodeProto, str]]:
     """Each node of `model` of a kernel in UNSAFE_KERNELS, with the reason: of those that are
     `wrong`, and with `eager_exact` (a training graph) of all."""
+    shapes = _static_shapes(model)
     return [
         (node, kernel.reason)
         for node in nodes_of(model)
@@ -177,5 +193,16 @@ def unsafe_nodes(model: onnx.ModelProto, eager_exact: bool = False) -> list[tupl
         if (kernel.wrong or eager_exact)
         and node.op_type == kernel.op_type
         and node.domain in ("", "ai.onnx")
-        and kernel.applies(node)
+        and kernel.applies(node, shapes)
     ]
+
+
+def _static_shapes(model: onnx.ModelProto) -> dict[str, list]:
+    """The shape of each value of `model`'s graph that has one: a list of sizes, None where unknown."""
+    graph = model.graph
+    shapes = {t.name: list(t.dims) for t in graph.initializer}
+    for value in (*graph.input, *graph.value_info, *graph.output):
+        tensor = value.type.tensor_type
+        if value.type.HasField("tensor_type") and tensor.HasField("shape"):
+            shapes[value.name] = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+    return shapes
