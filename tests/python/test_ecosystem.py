@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 from conftest import needs_bfloat16_binding
-from side_by_side import assert_close
+from side_by_side import assert_close, train_side_by_side
 from torch.func import functional_call
 
 import ortbridge
@@ -157,6 +157,59 @@ def test_other_models_compiled_in_the_process_compile_once():
     for _ in range(6):
         compiled(x)
     assert len(graphs) == 1, f"{len(graphs)} graphs for 6 identical calls: ortbridge changed what dynamo guards on"
+
+
+class _Parent(nn.Module):
+    """Eager layers around a block (the one an OrtModule wraps) and a custom Function."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.head = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.LayerNorm(16))
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.block(self.stem(x))))
+
+
+def _compiled_parent(parent: _Parent, backend) -> nn.Module:
+    parent.block = ortbridge.OrtModule(parent.block)
+    return torch.compile(parent, backend=backend)
+
+
+COMPOSITIONS = {
+    "compile(OrtModule(m))": lambda m, backend: torch.compile(ortbridge.OrtModule(m), backend=backend),
+    "OrtModule(compile(m))": lambda m, backend: ortbridge.OrtModule(torch.compile(m, backend=backend)),
+    "compiled parent of an OrtModule": _compiled_parent,
+}
+
+
+@pytest.mark.parametrize("backend", ["inductor", "ortbridge"])
+@pytest.mark.parametrize("composition", COMPOSITIONS)
+def test_torch_compile_composed_with_ort_module_trains_as_eager(composition, backend, captures):
+    """ONNX Runtime runs the OrtModule's graphs whichever way round: dynamo ends its graphs around
+    an OrtModule's call, and an OrtModule runs a compiled module's own code. One capture, and the
+    compiled graphs compile once, for steps of one signature."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 8)
+    graphs = []
+
+    def counting(gm, example_inputs):  # (dynamo's graphs, then the backend's compiler)
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
+
+    torch._dynamo.reset()
+    wrapped = train_side_by_side(
+        _Parent(),
+        lambda step: ((x + step,), {}),
+        lambda out, step: out.square().mean(),
+        steps=4,
+        wrap=lambda m: COMPOSITIONS[composition](m, counting),
+    )
+    # (one capture of the OrtModule's; the ortbridge backend captures each of dynamo's graphs too)
+    assert captures() == 1 + (len(graphs) if backend == "ortbridge" else 0)
+    compiled_graphs = len(graphs)
+    wrapped(x)
+    assert len(graphs) == compiled_graphs, "a step of the same signature compiled again"
 
 
 def test_swa_update_bn_on_an_ort_module_is_refused_naming_momentum_and_on_its_module_runs_eagerly():

@@ -67,6 +67,14 @@ class _with_the_wrapped_signature:  # noqa: N801 (a decorator)
         return self.function if instance is None else _Bound(self.function, instance)
 
 
+@torch.compiler.disable
+def _outside_dynamo(run, args: tuple, kwargs: dict):
+    """An OrtModule's call in a torch.compile'd caller (torch.compile(ort_module), a compiled parent
+    holding one): dynamo ends its graph before it and starts another after it, as at any function it
+    does not trace, so that ONNX Runtime runs the OrtModule's graphs, not AOTAutograd's trace of them."""
+    return run(args, kwargs)
+
+
 class OrtModule(torch.nn.Module):
     """Wraps `module` so that ONNX Runtime runs its forward and backward graphs, with every
     autograd.Function it calls run by PyTorch as a PythonOp (forward) and PythonOpGrad
@@ -81,7 +89,9 @@ class OrtModule(torch.nn.Module):
     has more or fewer parameters or buffers, or one changes dtype, device or size (model.double(),
     .to()); parameters and buffers that are only other tensors (torch.func.functional_call,
     load_state_dict(assign=True)) are read from the module at each call and run in the captured
-    graphs. Inside a torch.func transform (grad, vmap, ...) it refuses to run. A hook on a
+    graphs. Inside a torch.func transform (grad, vmap, ...) it refuses to run. Under torch.compile
+    (a compiled caller) it runs as a graph of its own between dynamo's; a torch.compile'd module it
+    wraps is captured as its code is written. A hook on a
     submodule that a graph cannot run (any but weight_norm's and spectral_norm's) and a forward
     that changes the model's Python attributes are refused (CaptureError); hooks on the OrtModule itself run in PyTorch around the graphs. A copy
     (deepcopy, pickle, torch.save) captures again at its first call. With
@@ -139,6 +149,11 @@ class OrtModule(torch.nn.Module):
 
     @_with_the_wrapped_signature
     def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # (dynamo tracing a compiled caller: ORT's graphs run between dynamo's)
+            return _outside_dynamo(self._run, args, kwargs)
+        return self._run(args, kwargs)
+
+    def _run(self, args: tuple, kwargs: dict):
         if functorch_transforms_active():
             raise RuntimeError(
                 "ortbridge.OrtModule cannot run inside a torch.func transform (grad, vmap, jacrev, jvp, ...): "
@@ -189,7 +204,10 @@ class OrtModule(torch.nn.Module):
         name = f"{type(self.module).__name__}_{hashlib.sha1(repr(key).encode()).hexdigest()[:10]}_{len(captures)}"
         log.info("capturing %s (%s mode)", name, "train" if self.module.training else "eval")
         started = time.perf_counter()
-        capture = Capture(self.module, args, kwargs, self.all_functions, self.dynamic, self.options, name)
+        # (torch.compile'd modules inside, OrtModule(torch.compile(m)) too, run as written: ONNX Runtime
+        # runs the graphs of what they compute, not their compiled code)
+        with torch.compiler.set_stance("force_eager"):
+            capture = Capture(self.module, args, kwargs, self.all_functions, self.dynamic, self.options, name)
         # (the values the trace read: the capture leaves every attribute as it was, but those its Functions write)
         capture.constants = Constants(self._submodules, frozenset(capture.written))
         log.info("captured %s in %.2f s", name, time.perf_counter() - started)
