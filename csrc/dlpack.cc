@@ -47,6 +47,11 @@ bool IsHostCapsule(PyObject* capsule) {
   return managed && managed->dl_tensor.device.device_type == dl::kCPU;
 }
 
+int64_t CapsuleElementType(PyObject* capsule) {
+  auto* managed = static_cast<dl::ManagedTensor*>(PyCapsule_GetPointer(capsule, kCapsuleName));
+  return managed ? FromDLDataType(managed->dl_tensor.dtype) : 0;
+}
+
 bool ToDLDataType(int64_t onnx_type, dl::DataType* out) {
   const ElementType* t = FindElementType(onnx_type);
   if (t) *out = {t->dlpack_code, t->bits, 1};

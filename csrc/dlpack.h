@@ -56,6 +56,9 @@ PyObject* NewOwningCapsule(dl::ManagedTensor* managed);
 // Whether a "dltensor" capsule holds a tensor in host memory (DLPack's CPU device).
 bool IsHostCapsule(PyObject* capsule);
 
+// The ONNX element type of the tensor a "dltensor" capsule holds (0: none).
+int64_t CapsuleElementType(PyObject* capsule);
+
 // A tensor handed over by Python: owns the DLPack producer's memory until destroyed.
 class ImportedTensor {
  public:

@@ -92,7 +92,8 @@ void BindLayouts(py::module_& m) {
   backward.def_readonly("func_name", &BackwardLayout::func_name)
       .def_readonly("output_convention", &BackwardLayout::output_convention)
       .def_readonly("output_positions", &BackwardLayout::output_positions)
-      .def_readonly("output_requires_grad", &BackwardLayout::output_requires_grad);
+      .def_readonly("output_requires_grad", &BackwardLayout::output_requires_grad)
+      .def_readonly("output_tensor_types", &BackwardLayout::output_tensor_types);
   MadeByKernelsOnly(constant);
   MadeByKernelsOnly(forward);
   MadeByKernelsOnly(backward);

@@ -180,7 +180,9 @@ class PythonOpGradKernel : public PythonKernel<BackwardLayout> {
     for (size_t i = 0; i < n; ++i) {
       PyObject* g = layout_.output_requires_grad[i] ? values[layout_.output_positions[i]] : Py_None;
       py::object exported = g == Py_None ? py::none() : ExportCpuTensor(g);
-      if (!exported) return runner_.attr(Runner().result)(returned);
+      // (a gradient of another dtype than the input's: the runner casts it, as autograd does)
+      if (!exported || (g != Py_None && CapsuleElementType(exported.ptr()) != layout_.output_tensor_types[i]))
+        return runner_.attr(Runner().result)(returned);
       PyTuple_SET_ITEM(gradients.ptr(), i, exported.release().ptr());
     }
     return gradients;

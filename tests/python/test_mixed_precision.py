@@ -98,24 +98,33 @@ def _tensors(out) -> list:
     return [x for x in torch.utils._pytree.tree_leaves(out) if isinstance(x, torch.Tensor) and x.is_floating_point()]
 
 
-def _assert_close(actual, expected, reference, what: str, tolerance: float, floor: float = 0.0):
+def _assert_close(actual, expected, reference, what: str, tolerance: float, floor: float = 0.0, eager_error=None):
     """Same dtype and shape; the difference's norm within `tolerance` of the expected (eager) tensor's
     norm, or of `floor` (for a gradient that is zero but for rounding: attention's key bias), or
-    twice eager's distance from the float64 `reference`."""
+    twice eager's distance from the float64 `reference` (`eager_error`, relative to the reference's
+    norm, where given: eager's largest over a run)."""
     assert actual.dtype == expected.dtype and actual.shape == expected.shape, (
         f"{what}: {actual.dtype}{list(actual.shape)}, eager {expected.dtype}{list(expected.shape)}"
     )
     a, e, r = (t.detach().double() for t in (actual, expected, reference))
-    error, scale, eager_error = (a - e).norm().item(), max(e.norm().item(), floor), (e - r).norm().item()
+    error, scale = (a - e).norm().item(), max(e.norm().item(), floor)
+    eager_error = (e - r).norm().item() if eager_error is None else eager_error * r.norm().item()
     assert error <= max(tolerance * scale, 2 * eager_error), (
         f"{what}: error {error:.3g} is {error / scale:.3g} of {scale:.3g} (eager's from float64: {eager_error:.3g})"
     )
 
 
+def _distance(expected, reference) -> float:
+    """The norm of expected - reference, relative to the reference's."""
+    e, r = expected.detach().double(), reference.detach().double()
+    return (e - r).norm().item() / max(r.norm().item(), 1e-30)
+
+
 def train_side_by_side(name: str, mode: str, steps: int = 2, train: bool = True) -> ortbridge.OrtModule:
     """`name`'s model trained `steps` SGD steps in `mode` eagerly, under OrtModule, and eagerly in
     float64 (the reference), compared after each (outputs, loss, parameter gradients) and at the
-    end (parameters, buffers). Each step starts the OrtModule and the reference from eager's
+    end (parameters, buffers; gradients against eager's largest distance from float64 over the
+    steps). Each step starts the OrtModule and the reference from eager's
     parameters: in low precision two trajectories part by rounding alone (the CNN's batch norm
     gradients, 10-20% from float64's in eager itself, differed by 15% after two steps from
     equal code), so each step's gradients are compared at one point."""
@@ -132,6 +141,7 @@ def train_side_by_side(name: str, mode: str, steps: int = 2, train: bool = True)
     wrapped = ortbridge.OrtModule(copy.deepcopy(model))
     models = (reference, model, wrapped)
     opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
+    gradients: dict[str, list] = {}  # parameter name -> (step, OrtModule's, eager's, float64's gradient, floor)
     for step in range(steps):
         with torch.no_grad():
             for p, q, r in zip(model.parameters(), wrapped.parameters(), reference.parameters()):
@@ -162,10 +172,17 @@ def train_side_by_side(name: str, mode: str, steps: int = 2, train: bool = True)
         for (p_name, p), q, r in zip(model.named_parameters(), wrapped.parameters(), reference.parameters()):
             assert (p.grad is None) == (q.grad is None), f"step {step}: {p_name}.grad"
             if p.grad is not None:
-                _assert_close(q.grad, p.grad, r.grad, f"step {step}: {p_name}.grad", tolerance, floor)
+                gradients.setdefault(p_name, []).append((step, q.grad.clone(), p.grad.clone(), r.grad.clone(), floor))
         for opt in opts:
             opt.step()
             opt.zero_grad()
+    # Gradients: eager's own distance from float64 in low precision is noise that varies from step to
+    # step (the CNN's batch norm gradients: 1% to 17% in bfloat16, from one step to the next, with
+    # OrtModule as often closer than eager as not over seeds); so the bound is eager's largest over the run.
+    for p_name, steps_of in gradients.items():
+        eager_error = max(_distance(e, r) for _, _, e, r, _ in steps_of)
+        for step, q, p, r, floor in steps_of:
+            _assert_close(q, p, r, f"step {step}: {p_name}.grad", tolerance, floor, eager_error)
     for (p_name, p), q, r in zip(model.named_parameters(), wrapped.parameters(), reference.parameters()):
         _assert_close(q, p, r, f"{p_name} after training", tolerance)
     for (b_name, b), c, r in zip(model.named_buffers(), wrapped.buffers(), reference.buffers()):
@@ -295,22 +312,80 @@ class _ScaleByWeight(torch.autograd.Function):
         return g * w, (g * x).sum(0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a PythonOpGrad node takes each gradient in its input's dtype; eager's "
-    "autograd casts a gradient of another (not yet done by the kernel)",
+class _CastToFloat32(torch.autograd.Function):
+    """AMP's recipe for a Function that must compute in float32: custom_fwd with cast_inputs
+    (under autocast its inputs cast, its forward run with autocast off), custom_bwd."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w, x.sum()
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, g, g_sum):
+        x, w = ctx.saved_tensors
+        return g @ w.T + g_sum, x.T @ g
+
+
+class _UnderAutocast(torch.autograd.Function):
+    """custom_fwd without cast_inputs: forward runs under the caller's autocast (its matmul of a
+    bfloat16 x and a float32 w autocast), backward under the same state (custom_bwd)."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu")
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w.T, x.T @ g
+
+
+def _first(out):
+    return out[0] + out[1] if isinstance(out, tuple) else out
+
+
+class _FunctionAfterLinear(nn.Module):
+    def __init__(self, function, w_shape: tuple):
+        super().__init__()
+        self.function = function
+        self.linear = nn.Linear(16, 16)
+        self.w = nn.Parameter(torch.randn(w_shape) / 4)
+
+    def forward(self, x):
+        return _first(self.function.apply(self.linear(x), self.w))  # (a bfloat16 x, a float32 w)
+
+
+@pytest.mark.parametrize(
+    "function, w_shape",
+    [(_CastToFloat32, (16, 16)), (_UnderAutocast, (16, 16)), (_ScaleByWeight, (16,))],
+    ids=["custom_fwd-cast_inputs", "custom_fwd", "gradient-of-another-dtype"],
 )
-def test_function_under_autocast_returning_gradients_of_another_dtype():
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = nn.Linear(4, 4)
-            self.w = nn.Parameter(torch.randn(4))
-
-        def forward(self, x):
-            return _ScaleByWeight.apply(self.linear(x), self.w)  # (a bfloat16 x, a float32 w)
-
-    wrapped = ortbridge.OrtModule(Model())
-    with torch.autocast("cpu", torch.bfloat16):
-        out = wrapped(torch.randn(3, 4))
-    out.float().sum().backward()
+@pytest.mark.parametrize("wrapper", ["OrtModule", "compile"])
+def test_functions_under_autocast_run_as_eager_runs_them(function, w_shape, wrapper):
+    """A Function run as a node sees the autocast its call was captured under (AMP's custom_fwd
+    recipes; eager's autocast of the matmuls inside; OrtModule and the compile backend), and a
+    gradient it returns in another dtype
+    than its input's is cast to the input's, as autograd casts it (_ScaleByWeight: float32
+    gradients for a bfloat16 input). Outputs, dtypes and gradients equal eager's."""
+    torch.manual_seed(0)
+    eager = _FunctionAfterLinear(function, w_shape)
+    torch._dynamo.reset()
+    wrap = ortbridge.OrtModule if wrapper == "OrtModule" else lambda m: torch.compile(m, backend="ortbridge")
+    wrapped = wrap(copy.deepcopy(eager))
+    x = torch.randn(8, 16)
+    for step in range(2):
+        with torch.autocast("cpu", torch.bfloat16):
+            expected, out = eager(x + step), wrapped(x + step)
+        assert out.dtype == expected.dtype
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        expected.float().square().sum().backward()
+        out.float().square().sum().backward()
+        for (name, p), q in zip(eager.named_parameters(), wrapped.parameters()):
+            assert q.grad.dtype == p.grad.dtype, name
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-5, msg=name)

@@ -28,6 +28,7 @@ try:
     # The TorchScript exporter's graph values and tracing state.
     from torch._C import TensorType, Value, _storage_Use_Count
     from torch._C import _are_functorch_transforms_active as functorch_transforms_active
+    from torch._C import _DisableAutocast as DisableAutocast
     from torch._C import _get_tracing_state as get_tracing_state
     from torch._C import _is_any_autocast_enabled as is_any_autocast_enabled
     from torch._C import _set_grad_enabled as set_grad_enabled

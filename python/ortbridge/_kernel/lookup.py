@@ -136,6 +136,9 @@ def _make_function(func_name: str, op: OpOverload) -> type:
     call = functools.partial(into_outputs, op) if into_outputs else op
 
     def forward(ctx, layout, keywords, *values):
+        if torch_private.is_any_autocast_enabled():  # (a graph's casts are nodes of their own: none again)
+            with torch_private.DisableAutocast():
+                return forward(ctx, layout, keywords, *values)
         if not keywords and layout == (-1,) * len(values):  # (the common call: tensors alone, in order)
             return tuple(flatten_outputs(call(*values)))
         args, given = [], iter(values)

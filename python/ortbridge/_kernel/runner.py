@@ -404,6 +404,7 @@ class BackwardNode(_Node):
             for position, wanted in zip(layout.output_positions, layout.output_requires_grad)
         ]
         self.no_gradients = (None,) * len(self.outputs)
+        self.gradient_dtypes = [dtypes.FROM_ONNX.get(t) for t in layout.output_tensor_types]
         # What the kernel calls itself on the CPU when every gradient input is present
         # (python_op_grad.cc, CallDirect), ending in `result` for anything unusual; None where
         # `run` is needed.
@@ -445,7 +446,9 @@ class BackwardNode(_Node):
                 "forward argument"
             )
         gradients = []
-        for position in self.outputs:
+        for position, dtype in zip(self.outputs, self.gradient_dtypes):
             g = None if position is None else results[position]
+            if isinstance(g, torch.Tensor) and dtype and g.dtype != dtype and g.is_floating_point() and dtype.is_floating_point:
+                g = g.to(dtype)  # (as autograd casts a gradient to its input's dtype: AMP's custom_fwd casts inputs)
             gradients.append(None if g is None else _export_tensor(g, self.backward_value, position, self.device))
         return tuple(gradients)

@@ -48,7 +48,7 @@ from .._tracing.interception import intercepted
 from .._tracing.record import CallTable, Recorder, checkpointed_segment
 from . import ops
 from .fx_passes import DECOMPOSITIONS, tiled_pads_as_cat
-from .model_state import CaptureError, attributes, changed_attributes, refuse_changes, refuse_mistraced
+from .model_state import CaptureError, attributes, autocast_state, changed_attributes, refuse_changes, refuse_mistraced
 from .partition import partition
 from .session import GraphSession
 from .stages import StagedBackward, stages_for
@@ -246,6 +246,7 @@ class Capture(NotCopyable):
     ):
         self.options = options or {}
         self.name = name
+        self.autocast = autocast_state()  # (the call's, which its Functions run under: GraphSession)
         leaves, spec = flatten((args, kwargs))
         self.flat = _Flat(module, spec, leaves)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -371,7 +372,8 @@ class Capture(NotCopyable):
             if staged is not None:
                 log.info("%s: the backward graph runs in %d stages", self.name, staged.count)
                 return staged
-        return GraphSession(gm, kind == "forward", options, providers, save_as)
+        autocast = self.autocast if kind != "backward" else ()
+        return GraphSession(gm, kind == "forward", options, providers, save_as, autocast)
 
     def __call__(self, tensors: list) -> object:
         if self.step is not None:

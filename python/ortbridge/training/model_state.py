@@ -9,6 +9,7 @@ refused, as the graph would not change them again.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import enum
 import itertools
@@ -77,6 +78,20 @@ def settings() -> tuple:
         torch.are_deterministic_algorithms_enabled(),
         torch.get_float32_matmul_precision(),
     )
+
+
+def autocast_state() -> tuple:
+    """(device type, dtype) of each device type autocast is on for."""
+    return tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d))
+
+
+@contextlib.contextmanager
+def autocast_on(state: tuple):
+    """Autocast on as autocast_state() gave it."""
+    with contextlib.ExitStack() as stack:
+        for device, dtype in state:
+            stack.enter_context(torch.autocast(device, dtype=dtype))
+        yield
 
 
 class Hooks:

@@ -20,12 +20,14 @@ import torch
 
 from .. import runtime
 from .._compat.ort_private import c_session
-from .._compat.torch_private import storage_users, tensor_use_count
+from .._compat.torch_private import is_any_autocast_enabled, storage_users, tensor_use_count
 from .._copying import NotCopyable
 from .._format import dtypes
 from .._kernel.runner import context_ids_tensor, lending
 from .._tracing import fallback, kernels
+from .._tracing.nodes import DOMAIN
 from .devices import cuda_stream, execution_providers, ort_device, placeholder_address
+from .model_state import autocast_on
 from .onnx_graph import OnnxGraph
 from .threads import SpinningTrial, default_session_options, one_torch_thread
 
@@ -49,6 +51,7 @@ class GraphSession(NotCopyable):
         session_options: ort.SessionOptions | None = None,
         providers=None,
         save_as: str | None = None,
+        autocast: tuple = (),
     ):
         self.graph = graph = OnnxGraph(gm, training)
         self.model = self.session = None
@@ -108,6 +111,9 @@ class GraphSession(NotCopyable):
                 "log says why: often CUDA or cuDNN libraries it did not find; "
                 "onnxruntime.preload_dlls() loads torch's)"
             )
+        # Functions run as nodes under the autocast the trace ran under (model_state.autocast_state()
+        # of the call), as eager calls them: around its graphs AOTAutograd's runtime turns autocast off.
+        self.autocast = autocast if autocast and _calls_functions(self.model) else ()
         input_names = [i.name for i in self.session.get_inputs()]
         output_names = [o.name for o in self.session.get_outputs()]
         if len(input_names) != len(graph.input_values) or len(output_names) != len(graph.outputs):
@@ -168,6 +174,9 @@ class GraphSession(NotCopyable):
     def __call__(self, args: list) -> list:
         if torch.is_inference_mode_enabled():  # Functions see normal tensors, as in an ORT session of their own
             with torch.inference_mode(False):
+                return self(args)
+        if self.autocast and not is_any_autocast_enabled():
+            with autocast_on(self.autocast):
                 return self._run(args)
         return self._run(args)
 
@@ -277,6 +286,14 @@ class GraphSession(NotCopyable):
             contexts = _run_in_scope(session, binding, lent)
             current.wait_stream(self.stream)
         return outputs, contexts
+
+
+def _calls_functions(model: onnx.ModelProto) -> bool:
+    """Whether a node of `model` calls an autograd.Function (not an operator: a fallback node)."""
+    return any(
+        node.domain == DOMAIN and "::" not in next((a.s.decode() for a in node.attribute if a.name == "func_name"), "")
+        for node in kernels.nodes_of(model)
+    )
 
 
 class GraphInputChanged(RuntimeError):
