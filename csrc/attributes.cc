@@ -301,7 +301,16 @@ ForwardLayout ParseForward(const AttributeSource& a, size_t input_count, size_t 
   if (f.training_mode && !f.safe_run_mode) {
     Fail("safe_run_mode", "0 (forward without autograd) is supported only with training_mode=0");
   }
-  ReadForwardInputs(a, input_count, f);
+  // The last `ordering_inputs` inputs only order the node after the nodes that make them (never read).
+  int64_t ordering = 0;
+  if (!a.GetInt("ordering_inputs", &ordering)) Absent(a, "ordering_inputs", "INT", false);
+  if (ordering < 0 || ordering > static_cast<int64_t>(input_count)) {
+    Fail("ordering_inputs", "must be between 0 and the node's input count (" + std::to_string(input_count) +
+                                "), got " + std::to_string(ordering));
+  }
+  f.ordering_inputs = static_cast<size_t>(ordering);
+  const size_t tensor_inputs = input_count - f.ordering_inputs;
+  ReadForwardInputs(a, tensor_inputs, f);
   ReadConstants(a, f);
 
   if (output_count < 1) Fail("output_tensor_types", "the node needs output 0, the context id");
@@ -312,7 +321,7 @@ ForwardLayout ParseForward(const AttributeSource& a, size_t input_count, size_t 
   f.output_tensor_ranks =
       Ranks(a, "output_tensor_ranks", output_count - 1, "one per node output after the context id", true);
   CheckOutputDims("output_tensor_ranks", f.output_tensor_ranks);
-  ReadReuseMap(a, input_count, output_count, f);
+  ReadReuseMap(a, tensor_inputs, output_count, f);
   return f;
 }
 

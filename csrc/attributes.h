@@ -70,6 +70,7 @@ struct ForwardLayout {
   // tensor_reuse_map entries j -> i whose output and input types agree (the first per input):
   // node output j is tensor input i updated in place.
   std::vector<std::pair<size_t, size_t>> in_place;
+  size_t ordering_inputs = 0;  // the last inputs, which only order the node (never read)
 };
 
 // PythonOpGrad: Function.backward(ctx, *grads) -> one value per forward argument.

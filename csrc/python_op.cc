@@ -108,7 +108,7 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
 
   // Output 0 may be left unnamed only where no context is made (nothing could release one).
   void CheckValues(const std::vector<DeclaredValue>& inputs, const std::vector<DeclaredValue>& outputs) {
-    for (size_t i = 0; i < inputs.size(); ++i) {
+    for (size_t i = 0; i < layout_.input_tensor_types.size(); ++i) {  // (not the ordering inputs: any type)
       CheckDeclared("input", i, inputs[i], layout_.input_tensor_types[i], "attribute 'input_tensor_types'",
                     "attribute 'input_convention'");
     }

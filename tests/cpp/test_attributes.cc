@@ -445,6 +445,37 @@ TEST_F(ForwardTest, RejectsRequiresGradOnAConstant) {
   EXPECT_TRUE(Fails("input_requires_grads", "argument 1 is a constant"));
 }
 
+// -- ordering_inputs ----------------------------------------------------------------------------
+
+TEST_F(ForwardTest, OrderingInputsAreNoArguments) {
+  inputs = 3;  // x, then two inputs that only order the node
+  a.ints["ordering_inputs"] = 2;
+  a.int_lists["tensor_reuse_map"] = {-1, 0};
+  ForwardLayout f = Parse();
+  EXPECT_EQ(f.ordering_inputs, 2u);
+  EXPECT_EQ(f.tensor_positions, (std::vector<size_t>{0}));
+  EXPECT_EQ(f.input_tensor_types, (std::vector<int64_t>{1}));
+}
+
+TEST_F(ForwardTest, RejectsOrderingInputsOutOfRange) {
+  for (int64_t n : {-1, 2}) {
+    a.ints["ordering_inputs"] = n;
+    EXPECT_TRUE(Fails("ordering_inputs", "between 0 and the node's input count (1)")) << n;
+  }
+}
+
+TEST_F(ForwardTest, RejectsOrderingInputsTheConventionCounts) {
+  a.ints["ordering_inputs"] = 1;  // x would be no argument: the convention's 'd' has no input
+  EXPECT_TRUE(Fails("input_convention", "must match the node's tensor inputs"));
+}
+
+TEST_F(ForwardTest, RejectsReuseOfAnOrderingInput) {
+  inputs = 2;
+  a.ints["ordering_inputs"] = 1;
+  a.int_lists["tensor_reuse_map"] = {-1, 1};
+  EXPECT_TRUE(Fails("tensor_reuse_map", "tensor input index"));
+}
+
 // -- malformed: tensor_reuse_map ---------------------------------------------------------------
 
 TEST_F(ForwardTest, RejectsReuseOfAnInputForTheContextId) {

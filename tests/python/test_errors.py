@@ -354,6 +354,7 @@ MALFORMED = {
     "safe_run_mode": dict(safe_run_mode=0, training_mode=1),
     "input_int_scalar_positions": dict(input_int_scalars=[1], input_int_scalar_positions=[0]),
     "tensor_reuse_map": dict(tensor_reuse_map=[-1, 5]),
+    "ordering_inputs": dict(ordering_inputs=2),
 }
 
 

@@ -2,8 +2,7 @@
 runs an allowed torch operator (ortbridge.operators), made here.
 
 An operator node's constants are the operator's non-tensor arguments after two of their own: the
-layout (per argument, -1 for one value or the length of a list; AFTER for a tensor input that is
-no argument, only orders the node after the node that made it) and the names of the trailing
+layout (per argument, -1 for one value or the length of a list) and the names of the trailing
 keyword arguments, of which DIM_ORDERS is none either: ((position, dim order), ...), tensor
 arguments to lay out in memory in that order (outermost dim first) before the call.
 
@@ -24,7 +23,6 @@ from .._compat import torch_private
 from .._compat.torch_private import OpOverload
 
 _functions: dict[str, type] = {}  # operator func_name -> its Function
-AFTER = -2  # (in a layout: see above)
 DIM_ORDERS = "_ortbridge_dim_orders"  # (a keyword: see above)
 
 
@@ -143,9 +141,6 @@ def _make_function(func_name: str, op: OpOverload) -> type:
             return tuple(flatten_outputs(call(*values)))
         args, given = [], iter(values)
         for size in layout:
-            if size == AFTER:
-                next(given)
-                continue
             args.append(next(given) if size < 0 else [next(given) for _ in range(size)])
         split = len(args) - len(keywords)
         kwargs = dict(zip(keywords, args[split:]))

@@ -448,7 +448,13 @@ class BackwardNode(_Node):
         gradients = []
         for position, dtype in zip(self.outputs, self.gradient_dtypes):
             g = None if position is None else results[position]
-            if isinstance(g, torch.Tensor) and dtype and g.dtype != dtype and g.is_floating_point() and dtype.is_floating_point:
+            if (
+                isinstance(g, torch.Tensor)
+                and dtype
+                and g.dtype != dtype
+                and g.is_floating_point()
+                and dtype.is_floating_point
+            ):
                 g = g.to(dtype)  # (as autograd casts a gradient to its input's dtype: AMP's custom_fwd casts inputs)
             gradients.append(None if g is None else _export_tensor(g, self.backward_value, position, self.device))
         return tuple(gradients)

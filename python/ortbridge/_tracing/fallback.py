@@ -36,10 +36,10 @@ from .._compat.torch_private import (
     rename_node,
 )
 from .._format import dtypes
-from .._kernel.lookup import AFTER, DIM_ORDERS, flatten_outputs, operator_function
+from .._kernel.lookup import DIM_ORDERS, flatten_outputs, operator_function
 from . import kernels
 from .functions import ExportError
-from .nodes import Arguments, emit_python_op
+from .nodes import DOMAIN, Arguments, emit_python_op
 from .record import size_hint
 
 log = logging.getLogger("ortbridge")
@@ -260,8 +260,6 @@ def exportable(
             "operators run by PyTorch inside the graph: %s",
             ", ".join(sorted({operators.name_of(_operator(n)) for n in fallbacks})),
         )
-        if eager_exact:
-            _draw_in_order([n for n in fallbacks if _random(n.target)])
         for node in fallbacks:
             node.target = _emitter(node.target)
         # A fallback node's outputs are dense, an operator's may not be (flash attention's): a
@@ -317,29 +315,6 @@ def _outputs_named(program: torch.export.ExportedProgram) -> None:
     for spec, value in zip(program.graph_signature.output_specs, program.graph.output_node().args[0]):
         if isinstance(spec.arg, TensorArgument):
             spec.arg = TensorArgument(name=value.name)
-
-
-def _draw_in_order(nodes: list) -> None:
-    """Each random node after the one before it in the graph (an input of its node, which reads
-    it not): ONNX Runtime runs independent nodes in an order of its own, but draws from one
-    generator give eager's values only in eager's order."""
-    for before, node in zip(nodes, nodes[1:]):
-        node.kwargs = {**node.kwargs, _AFTER: _a_tensor_of(before)}
-
-
-def _a_tensor_of(node: torch.fx.Node) -> torch.fx.Node:
-    """A node whose value is a tensor output of `node` (itself, or a getitem of it)."""
-    values = node.meta["val"]
-    if isinstance(values, torch.Tensor):
-        return node
-    for user in node.users:
-        if user.target is operator.getitem and isinstance(user.meta.get("val"), torch.Tensor):
-            return user
-    k = next(k for k, v in enumerate(values) if isinstance(v, torch.Tensor))
-    with node.graph.inserting_after(node):
-        user = node.graph.call_function(operator.getitem, (node, k))
-    user.meta["val"] = values[k]
-    return user
 
 
 def _static_with_elements(graph: torch.fx.Graph) -> bool:
@@ -403,6 +378,8 @@ def onnx_of(
         model = to_onnx(exportable(program, in_pytorch, opset_version, eager_exact), opset_version, optimize)
         unsafe = kernels.unsafe_nodes(model, eager_exact)
         if not unsafe:
+            if eager_exact:
+                in_program_order(model.graph)
             return model
         sources = {kernels.fx_node_of(node) for node, _ in unsafe}
         if None in sources or sources <= in_pytorch:
@@ -420,6 +397,27 @@ def onnx_of(
             ", ".join(sorted(sources - in_pytorch)),
         )
         in_pytorch |= sources
+
+
+def in_program_order(graph: onnx.GraphProto) -> None:
+    """Each node with a side effect (a Function's call, whose code may hold state or draw random
+    numbers; an operator that draws them) after the one before it in the graph, the program's
+    order: ONNX Runtime runs independent nodes in an order of its own, and draws from one
+    generator give eager's values only in eager's order. The earlier node's first output becomes
+    an ordering input of the later one (attribute ordering_inputs: its last inputs, never read)."""
+    before = None
+    for node in graph.node:
+        if node.domain != DOMAIN or node.op_type != "PythonOp" or not _has_side_effects(node):
+            continue
+        if before is not None:
+            node.input.append(before)
+            node.attribute.append(onnx.helper.make_attribute("ordering_inputs", 1))
+        before = next((o for o in node.output[1:] if o), node.output[0] or before)
+
+
+def _has_side_effects(node: onnx.NodeProto) -> bool:
+    func_name = next(a.s.decode() for a in node.attribute if a.name == "func_name")
+    return "::" not in func_name or _random(operators.resolve(func_name))
 
 
 def to_onnx(
@@ -468,7 +466,6 @@ def _layout(args: tuple, kwargs: dict) -> tuple[tuple, tuple, list]:
 
 
 _call_numbers = itertools.count()  # numbers every fallback call: no optimizer may merge two of them
-_AFTER = "_ortbridge_after"  # the keyword of an emitter's ordering input (_draw_in_order)
 
 
 def _emitter(target):
@@ -476,7 +473,6 @@ def _emitter(target):
     that of a functionalized call of one: `target` (op, **keywords))."""
 
     def emit(*args, **kwargs):
-        after = kwargs.pop(_AFTER, None)
         op = args[0] if target in _FUNCTIONALIZED else target
         name = operators.name_of(op)
         with disable_proxy_modes_tracing():  # the operator's outputs in this trace, not recorded
@@ -494,8 +490,6 @@ def _emitter(target):
             )
             kwargs = {**kwargs, DIM_ORDERS: orders} if orders else kwargs
         layout, keywords, values = _layout(args, kwargs)
-        if after is not None:
-            layout, values = (*layout, AFTER), [*values, after]
         arguments = Arguments(name, (layout, keywords, *values), pin=False)
         if arguments.objects:
             raise ExportError(f"operator {name} has an argument ONNX cannot hold: {arguments.objects}")
