@@ -388,3 +388,42 @@ def test_functions_and_random_operators_draw_in_eager_order(wrapper):
             assert torch.equal(wrapped(x), expected)
     for p, q in zip(eager.parameters(), wrapped.parameters()):
         assert_close(q.grad, p.grad, "a parameter's gradient")
+
+
+def _tiny_gpt2() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=99, n_embd=32, n_layer=2, n_head=2, n_positions=64, bos_token_id=0, eos_token_id=0
+    )
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def test_generate_with_an_ort_backbone_gives_eagers_tokens_and_refuses_a_kv_cache(captures):
+    """A backbone wrapped in an OrtModule generates eager's tokens without a KV cache; with one (a
+    DynamicCache, generate's default), the capture refuses it naming the cache and use_cache=False,
+    before the forward ran: the caller's cache holds nothing."""
+    eager = _tiny_gpt2()
+    model = copy.deepcopy(eager)
+    model.transformer = ortbridge.OrtModule(model.transformer)
+    ids = torch.randint(1, 99, (2, 5))
+    generated = model.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False, pad_token_id=0)
+    assert torch.equal(
+        generated, eager.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False, pad_token_id=0)
+    )
+    assert captures() == 4  # (one per length: dynamic shapes are the shapes issue's)
+    cache = transformers.DynamicCache()
+    with pytest.raises(
+        ortbridge.CaptureError, match="DynamicCache, which the forward updates in place.*use_cache=False"
+    ):
+        model.transformer(ids, cache=cache, use_cache=True)
+    assert cache.get_seq_length() == 0
+
+
+def test_generate_of_an_ort_module_says_it_runs_eagerly():
+    """OrtModule(model).generate is the wrapped model's: it runs the model eagerly, and says so."""
+    eager = _tiny_gpt2()
+    wrapped = ortbridge.OrtModule(copy.deepcopy(eager))
+    ids = torch.randint(1, 99, (1, 5))
+    with pytest.warns(UserWarning, match="runs the model eagerly, not in ONNX Runtime"):
+        generated = wrapped.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert torch.equal(generated, eager.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0))

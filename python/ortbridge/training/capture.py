@@ -48,7 +48,15 @@ from .._tracing.interception import intercepted
 from .._tracing.record import CallTable, Recorder, checkpointed_segment
 from . import ops
 from .fx_passes import DECOMPOSITIONS, tiled_pads_as_cat
-from .model_state import CaptureError, attributes, autocast_state, changed_attributes, refuse_changes, refuse_mistraced
+from .model_state import (
+    CaptureError,
+    attributes,
+    autocast_state,
+    changed_attributes,
+    refuse_caches,
+    refuse_changes,
+    refuse_mistraced,
+)
 from .partition import partition
 from .session import GraphSession
 from .stages import StagedBackward, stages_for
@@ -252,6 +260,7 @@ class Capture(NotCopyable):
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         recorder = Recorder(all_functions, training=torch.is_grad_enabled())
         try:
+            refuse_caches(args, kwargs)
             refuse_mistraced(module)
             before = attributes(module)
             recorder.around_calls = functools.partial(self._watched, module)

@@ -233,6 +233,19 @@ def _plain(value, depth: int = 0) -> bool:
     return all(_plain(k, depth + 1) and _plain(v, depth + 1) for k, v in items)
 
 
+def refuse_caches(args: tuple, kwargs: dict) -> None:
+    """Raises CaptureError for a Hugging Face KV cache among the arguments (a DynamicCache, any
+    transformers Cache): the forward writes each step's keys and values into it, which a captured
+    graph would write as trace tensors into the caller's object."""
+    for name, value in (*enumerate(args), *kwargs.items()):
+        if any(c.__name__ == "Cache" and c.__module__.startswith("transformers.") for c in type(value).__mro__):
+            raise CaptureError(
+                f"argument {name!r} is a Hugging Face {type(value).__name__}, which the forward updates in place: "
+                "OrtModule cannot capture a KV cache object yet. Call it with use_cache=False (generate(..., "
+                "use_cache=False)), or without a cache."
+            )
+
+
 def refuse_mistraced(module: torch.nn.Module) -> None:
     """Raises CaptureError for a submodule whose trace differs from eager: a multi-layer RNN with
     dropout in training, whose dropout between layers torch's decomposition leaves out (a

@@ -313,4 +313,13 @@ class OrtModule(torch.nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._modules["module"], name)
+            value = getattr(self._modules["module"], name)
+        if name == "generate" and callable(value):  # (Hugging Face's: it calls the wrapped model itself)
+            warnings.warn(
+                "ortbridge.OrtModule(model).generate is the wrapped model's generate, which runs the model "
+                "eagerly, not in ONNX Runtime. To generate with ONNX Runtime, wrap the model's backbone "
+                "(model.model = ortbridge.OrtModule(model.model)) and call model.generate(..., use_cache=False): "
+                "a KV cache object is not captured yet.",
+                stacklevel=2,
+            )
+        return value
