@@ -427,3 +427,42 @@ def test_generate_of_an_ort_module_says_it_runs_eagerly():
     with pytest.warns(UserWarning, match="runs the model eagerly, not in ONNX Runtime"):
         generated = wrapped.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert torch.equal(generated, eager.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0))
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_trainer_with_gradient_checkpointing_trains_an_ort_module_as_eager(reentrant, tmp_path):
+    """Trainer(gradient_checkpointing=True) enables checkpointing on the wrapped model through the
+    OrtModule; three steps log eager's losses and leave eager's parameters."""
+
+    def train(wrap):
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(
+            vocab_size=99, n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
+        )
+        model = wrap(transformers.GPT2LMHeadModel(config))
+        generator = torch.Generator().manual_seed(1)
+        rows = [torch.randint(0, 99, (14,), generator=generator) for _ in range(8)]
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path),
+            max_steps=3,
+            per_device_train_batch_size=4,
+            gradient_checkpointing=True,
+            gradient_checkpointing_kwargs={"use_reentrant": reentrant},
+            report_to=[],
+            use_cpu=True,
+            logging_steps=1,
+            save_strategy="no",
+            disable_tqdm=True,
+        )
+        trainer = transformers.Trainer(
+            model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in rows]
+        )
+        trainer.train()
+        inner = getattr(model, "module", model)
+        assert inner.is_gradient_checkpointing
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h], list(model.parameters())
+
+    expected_losses, expected = train(lambda m: m)
+    losses, parameters = train(ortbridge.OrtModule)
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    assert_close(parameters, expected, "parameters after 3 steps")
