@@ -448,13 +448,7 @@ class BackwardNode(_Node):
         gradients = []
         for position, dtype in zip(self.outputs, self.gradient_dtypes):
             g = None if position is None else results[position]
-            if (
-                isinstance(g, torch.Tensor)
-                and dtype
-                and g.dtype != dtype
-                and g.is_floating_point()
-                and dtype.is_floating_point
-            ):
-                g = g.to(dtype)  # (as autograd casts a gradient to its input's dtype: AMP's custom_fwd casts inputs)
+            if isinstance(g, torch.Tensor) and dtype is not None and g.dtype != dtype:
+                g = g.to(dtype)  # (as autograd casts a gradient to its input's: AMP's custom_fwd casts inputs)
             gradients.append(None if g is None else _export_tensor(g, self.backward_value, position, self.device))
         return tuple(gradients)

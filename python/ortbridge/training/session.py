@@ -55,6 +55,7 @@ class GraphSession(NotCopyable):
     ):
         self.graph = graph = OnnxGraph(gm, training)
         self.model = self.session = None
+        self.autocast = ()  # (set below, for a graph that calls Functions)
         self.recycled: list[int] = []  # outputs written into the last run's buffers (see recycle)
         if not graph.outputs:
             return
@@ -113,7 +114,8 @@ class GraphSession(NotCopyable):
             )
         # Functions run as nodes under the autocast the trace ran under (model_state.autocast_state()
         # of the call), as eager calls them: around its graphs AOTAutograd's runtime turns autocast off.
-        self.autocast = autocast if autocast and _calls_functions(self.model) else ()
+        if autocast and _calls_functions(self.model):
+            self.autocast = autocast
         input_names = [i.name for i in self.session.get_inputs()]
         output_names = [o.name for o in self.session.get_outputs()]
         if len(input_names) != len(graph.input_values) or len(output_names) != len(graph.outputs):
