@@ -39,7 +39,7 @@ from .._format import dtypes
 from .._kernel.lookup import DIM_ORDERS, flatten_outputs, operator_function
 from . import kernels
 from .functions import ExportError
-from .nodes import DOMAIN, Arguments, emit_python_op
+from .nodes import DOMAIN, Arguments, emit_python_op, func_name
 from .record import size_hint
 
 log = logging.getLogger("ortbridge")
@@ -416,8 +416,8 @@ def in_program_order(graph: onnx.GraphProto) -> None:
 
 
 def _has_side_effects(node: onnx.NodeProto) -> bool:
-    func_name = next(a.s.decode() for a in node.attribute if a.name == "func_name")
-    return "::" not in func_name or _random(operators.resolve(func_name))
+    name = func_name(node)
+    return "::" not in name or _random(operators.resolve(name))
 
 
 def to_onnx(

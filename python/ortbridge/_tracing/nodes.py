@@ -228,11 +228,17 @@ def emit_python_op(inputs: list, attrs: dict, dtypes: list, shapes: list) -> lis
     )
 
 
+def func_name(node: onnx.NodeProto) -> str:
+    """The func_name of an ortbridge node: a Function's registered name, or `namespace::op.overload`
+    for an operator node (the fallback); "" where it has none."""
+    return next((a.s.decode() for a in node.attribute if a.name == "func_name"), "")
+
+
 def name_nodes(graph: onnx.GraphProto) -> None:
     """Give each ortbridge node a readable, unique name: PythonOp_<Function>_<k>, or for an
     operator node PythonOp_<op>_<k> (aten::convolution_backward.default: convolution_backward)."""
     for k, node in enumerate(n for n in graph.node if n.domain == DOMAIN):
-        func = next(a.s.decode() for a in node.attribute if a.name == "func_name")
+        func = func_name(node)
         short = func.split("::", 1)[1].split(".", 1)[0] if "::" in func else func.rsplit(".", 1)[-1]
         node.name = f"{node.op_type}_{short}_{k}"
 

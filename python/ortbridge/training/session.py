@@ -25,7 +25,7 @@ from .._copying import NotCopyable
 from .._format import dtypes
 from .._kernel.runner import context_ids_tensor, lending
 from .._tracing import fallback, kernels
-from .._tracing.nodes import DOMAIN
+from .._tracing.nodes import DOMAIN, func_name
 from .devices import cuda_stream, execution_providers, ort_device, placeholder_address
 from .model_state import autocast_on
 from .onnx_graph import OnnxGraph
@@ -292,10 +292,7 @@ class GraphSession(NotCopyable):
 
 def _calls_functions(model: onnx.ModelProto) -> bool:
     """Whether a node of `model` calls an autograd.Function (not an operator: a fallback node)."""
-    return any(
-        node.domain == DOMAIN and "::" not in next((a.s.decode() for a in node.attribute if a.name == "func_name"), "")
-        for node in kernels.nodes_of(model)
-    )
+    return any(node.domain == DOMAIN and "::" not in func_name(node) for node in kernels.nodes_of(model))
 
 
 class GraphInputChanged(RuntimeError):
