@@ -13,6 +13,7 @@ import contextlib
 import functools
 import importlib
 import inspect
+import sys
 import types
 
 import torch
@@ -43,6 +44,14 @@ try:
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 except ImportError as e:
     raise ImportError(f"ortbridge does not know torch {torch.__version__}: {e} (supported: torch 2.9 to 2.15)") from e
+
+
+def as_written(module: torch.nn.Module) -> torch.nn.Module:
+    """The module a torch.compile'd one (dynamo's OptimizedModule) wraps; any other, itself. (No
+    module is compiled before dynamo is imported.)"""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return module._orig_mod if eval_frame and isinstance(module, eval_frame.OptimizedModule) else module
+
 
 # Tracing's names (AOTAutograd, fake tensors, decompositions, FX's settings), imported at their first
 # use (the module's __getattr__): they bring in dynamo, which inference and the kernels never need.

@@ -15,7 +15,7 @@ import warnings
 import onnxruntime as ort
 import torch
 
-from .._compat.torch_private import functorch_transforms_active, registered_members
+from .._compat.torch_private import as_written, functorch_transforms_active, registered_members
 from .capture import Capture, flatten
 from .model_state import Constants, Hooks, Members, settings
 from .session import GraphInputChanged
@@ -91,7 +91,7 @@ class OrtModule(torch.nn.Module):
     load_state_dict(assign=True)) are read from the module at each call and run in the captured
     graphs. Inside a torch.func transform (grad, vmap, ...) it refuses to run. Under torch.compile
     (a compiled caller) it runs as a graph of its own between dynamo's; a torch.compile'd module it
-    wraps is captured as its code is written. A hook on a
+    wraps is captured as its code is written (not one inside it). A hook on a
     submodule that a graph cannot run (any but weight_norm's and spectral_norm's) and a forward
     that changes the model's Python attributes are refused (CaptureError); hooks on the OrtModule itself run in PyTorch around the graphs. A copy
     (deepcopy, pickle, torch.save) captures again at its first call. With
@@ -204,10 +204,8 @@ class OrtModule(torch.nn.Module):
         name = f"{type(self.module).__name__}_{hashlib.sha1(repr(key).encode()).hexdigest()[:10]}_{len(captures)}"
         log.info("capturing %s (%s mode)", name, "train" if self.module.training else "eval")
         started = time.perf_counter()
-        # (torch.compile'd modules inside, OrtModule(torch.compile(m)) too, run as written: ONNX Runtime
-        # runs the graphs of what they compute, not their compiled code)
-        with torch.compiler.set_stance("force_eager"):
-            capture = Capture(self.module, args, kwargs, self.all_functions, self.dynamic, self.options, name)
+        # (OrtModule(torch.compile(m)): m as written; ONNX Runtime runs the graphs of what it computes)
+        capture = Capture(as_written(self.module), args, kwargs, self.all_functions, self.dynamic, self.options, name)
         # (the values the trace read: the capture leaves every attribute as it was, but those its Functions write)
         capture.constants = Constants(self._submodules, frozenset(capture.written))
         log.info("captured %s in %.2f s", name, time.perf_counter() - started)
