@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 
 import pytest
 import torch
@@ -145,7 +146,16 @@ class _Sliced(nn.Module):
 
 
 def test_other_models_compiled_in_the_process_compile_once():
-    ortbridge.OrtModule(nn.Linear(8, 8))(torch.randn(2, 8))  # (ortbridge imported and used)
+    # (ortbridge imported and used: captures on several threads at once, which left process-wide
+    # state behind when captures set torch.compiler's stance)
+    def capture():
+        ortbridge.OrtModule(nn.Sequential(nn.Linear(8, 8), nn.Tanh()))(torch.randn(2, 8)).sum().backward()
+
+    threads = [threading.Thread(target=capture) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     graphs = []
 
     def counting(gm, example_inputs):
