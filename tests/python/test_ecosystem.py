@@ -374,9 +374,10 @@ class _Masked(nn.Module):
 
 @pytest.mark.parametrize("wrapper", ["OrtModule", "compile"])
 def test_functions_and_random_operators_draw_in_eager_order(wrapper):
-    """Under one seed, outputs and gradients are eager's: each Function call and each random
-    operator runs after the one before it in the program (ordering inputs), which ONNX Runtime's
-    own order of independent nodes does not keep (run in another order, the output differed by 15)."""
+    """Under one seed, outputs and gradients are eager's (to rounding: ONNX Runtime computes the
+    linear layer): each Function call and each random operator runs after the one before it in the
+    program (ordering inputs), which ONNX Runtime's own order of independent nodes does not keep
+    (run in another order, the output differed by 15)."""
     torch._dynamo.reset()
     eager = _Masked()
     wrapped = (ortbridge.OrtModule if wrapper == "OrtModule" else lambda m: torch.compile(m, backend="ortbridge"))(
@@ -390,12 +391,12 @@ def test_functions_and_random_operators_draw_in_eager_order(wrapper):
             out = model(x)
             out.square().mean().backward()
             outputs.append(out)
-        assert torch.equal(outputs[0], outputs[1])
+        assert_close(outputs[1], outputs[0], f"step {step}: output")  # (other draws: off by ~15)
         with torch.no_grad():
             torch.manual_seed(step)
             expected = eager(x)
             torch.manual_seed(step)
-            assert torch.equal(wrapped(x), expected)
+            assert_close(wrapped(x), expected, f"step {step}: output without grad")
     for p, q in zip(eager.parameters(), wrapped.parameters()):
         assert_close(q.grad, p.grad, "a parameter's gradient")
 
