@@ -257,6 +257,52 @@ def test_channels_last_outputs_come_back_channels_last(wrapper):
     assert_close([p.grad for p in model.parameters()], [p.grad for p in eager.parameters()], "gradients")
 
 
+@pytest.fixture
+def swap_tensors_mode():
+    """torch's swap-tensors mode (load_state_dict and .to() swap each parameter's contents into
+    the parameter object), for the test only."""
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    yield
+    torch.__future__.set_swap_module_params_on_conversion(False)
+
+
+@pytest.mark.parametrize("wrapper", ["OrtModule", "compile"])
+def test_swap_tensors_loading_and_conversion_train_as_eager(wrapper, swap_tensors_mode, captures):
+    torch.manual_seed(0)
+    eager = Mlp()
+    model = copy.deepcopy(eager)
+    wrapped = ortbridge.OrtModule(model) if wrapper == "OrtModule" else torch.compile(model, backend="ortbridge")
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager)]
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+
+    def step(module, optimizer, inputs, targets):
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(module(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    assert_close(step(wrapped, optimizers[0], x, y), step(eager, optimizers[1], x, y), "loss before loading")
+    checkpoint = {k: v + 0.5 if v.is_floating_point() else v for k, v in eager.state_dict().items()}
+    parameters = list(model.parameters())
+    for m in (model, eager):
+        m.load_state_dict(checkpoint)
+    assert all(a is b for a, b in zip(model.parameters(), parameters)), "the optimizer's parameters are swapped into"
+    assert_close(list(model.parameters()), list(eager.parameters()), "loaded parameters")
+    for k in range(2):
+        actual, expected = step(wrapped, optimizers[0], x, y), step(eager, optimizers[1], x, y)
+        assert_close(actual, expected, f"loss {k} after loading")
+    assert_close(list(model.parameters()), list(eager.parameters()), "parameters after training")
+    if wrapper == "OrtModule":
+        assert captures() == 1, "loading in place of the parameters keeps the capture"
+    for m in (model, eager):
+        m.double()
+    assert all(a is b for a, b in zip(model.parameters(), parameters)), ".double() swaps into the same parameters"
+    actual, expected = wrapped(x.double()), eager(x.double())
+    assert actual.dtype == torch.float64
+    assert_close(actual, expected, "outputs in float64")
+
+
 class _SeededNoise(torch.autograd.Function):
     """As transformers' Reformer's reversible Function: its forward sets the layer's seed (a plain
     attribute) and draws with it; its backward draws again with the same seed."""

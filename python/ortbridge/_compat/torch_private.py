@@ -276,6 +276,16 @@ def _node_owner(output: torch.Tensor):
 node_owner = None if CONTEXT_OWNS_NODE else _node_owner
 
 
+def forget_real_tensors(mode) -> None:
+    """Drops a fake mode's weak references to the real tensors it made fakes of (a capture's
+    parameters among them): torch.utils.swap_tensors (load_state_dict and .to() in torch's
+    swap-tensors mode) refuses a tensor that any weak reference points to, and the mode lives on
+    in the captured graphs' metadata."""
+    describer = mode.fake_tensor_converter.meta_converter.describer
+    describer.lookup_tensor.clear()
+    describer.lookup_storage.clear()
+
+
 # --- AOTAutograd ---------------------------------------------------------------------------------
 
 

@@ -40,6 +40,7 @@ from .._compat.torch_private import (
     aot_module_simplified,
     capture_config,
     compiling_state_context,
+    forget_real_tensors,
     pytree,
     tracing,
 )
@@ -303,6 +304,8 @@ class Capture(NotCopyable):
                     )
                 except _DATA_DEPENDENT as e:
                     raise _data_dependent_error(e) from e
+                finally:
+                    forget_real_tensors(mode)
             table.require_all_reached("AOTAutograd's trace of the module")
             refuse_changes(added, module, added=True)
             if context.fw_metadata is not None:

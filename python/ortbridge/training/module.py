@@ -89,7 +89,8 @@ class OrtModule(torch.nn.Module):
     has more or fewer parameters or buffers, or one changes dtype, device or size (model.double(),
     .to()); parameters and buffers that are only other tensors (torch.func.functional_call,
     load_state_dict(assign=True)) are read from the module at each call and run in the captured
-    graphs. Inside a torch.func transform (grad, vmap, ...) it refuses to run. Under torch.compile
+    graphs; torch's swap-tensors mode (load_state_dict, .to()) swaps into the parameters themselves,
+    which the captures hold no weak reference to. Inside a torch.func transform (grad, vmap, ...) it refuses to run. Under torch.compile
     (a compiled caller) it runs as a graph of its own between dynamo's; a torch.compile'd module it
     wraps is captured as its code is written (not one inside it). A hook on a
     submodule that a graph cannot run (any but weight_norm's and spectral_norm's) and a forward
