@@ -476,14 +476,27 @@ def test_generate_with_an_ort_backbone_gives_eagers_tokens_and_refuses_a_kv_cach
     assert cache.get_seq_length() == 0
 
 
-def test_generate_of_an_ort_module_says_it_runs_eagerly():
-    """OrtModule(model).generate is the wrapped model's: it runs the model eagerly, and says so."""
+def test_generate_of_an_ort_module_runs_it_in_ort_with_eagers_tokens_and_one_capture(captures):
+    """OrtModule(model).generate runs each of generate's calls of the model in ONNX Runtime, with
+    symbolic sizes: one capture for every length the sequence grows to and every prompt length.
+    Greedy and sampled tokens are eager's (eager with its KV cache: the tokens do not depend on it).
+    A KV cache asked for is refused before the model runs."""
     eager = _tiny_gpt2()
     wrapped = ortbridge.OrtModule(copy.deepcopy(eager))
-    ids = torch.randint(1, 99, (1, 5))
-    with pytest.warns(UserWarning, match="runs the model eagerly, not in ONNX Runtime"):
-        generated = wrapped.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
-    assert torch.equal(generated, eager.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0))
+    for length, sample in ((5, False), (9, False), (7, True)):
+        ids = torch.randint(1, 99, (2, length))
+        mask = torch.ones_like(ids)
+        options = dict(attention_mask=mask, max_new_tokens=6, do_sample=sample, pad_token_id=0)
+        torch.manual_seed(length)
+        generated = wrapped.generate(ids, **options)
+        torch.manual_seed(length)
+        expected = eager.generate(ids, **options)
+        assert torch.equal(generated, expected), f"prompt length {length}, sampled {sample}"
+    assert captures() == 1, "one capture for every length"
+    assert wrapped.module._compiled_call_impl is None, "generate leaves the model's call as it was"
+    assert_close(wrapped(ids).logits, eager(ids).logits, "a call after generate")
+    with pytest.raises(ortbridge.CaptureError, match="DynamicCache.*use_cache=False"):
+        wrapped.generate(ids, max_new_tokens=2, use_cache=True, pad_token_id=0)
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])

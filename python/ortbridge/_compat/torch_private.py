@@ -53,6 +53,31 @@ def as_written(module: torch.nn.Module) -> torch.nn.Module:
     return module._orig_mod if eval_frame and isinstance(module, eval_frame.OptimizedModule) else module
 
 
+@contextlib.contextmanager
+def calls_routed(module: torch.nn.Module, call):
+    """Every call of `module` (module(...), module.__call__) goes to `call`, but those made inside
+    it, which run the module's own: nn.Module's call runs an instance's `_compiled_call_impl` where
+    there is one (as module.compile() sets)."""
+    own = module._call_impl
+    routing = [True]
+
+    def routed(*args, **kwargs):
+        if not routing[0]:
+            return own(*args, **kwargs)
+        routing[0] = False
+        try:
+            return call(*args, **kwargs)
+        finally:
+            routing[0] = True
+
+    previous = module.__dict__.get("_compiled_call_impl")
+    module._compiled_call_impl = routed
+    try:
+        yield
+    finally:
+        module._compiled_call_impl = previous
+
+
 # Tracing's names (AOTAutograd, fake tensors, decompositions, FX's settings), imported at their first
 # use (the module's __getattr__): they bring in dynamo, which inference and the kernels never need.
 # name -> (module, its attribute; None: the module itself)

@@ -15,7 +15,7 @@ import warnings
 import onnxruntime as ort
 import torch
 
-from .._compat.torch_private import as_written, functorch_transforms_active, registered_members
+from .._compat.torch_private import as_written, calls_routed, functorch_transforms_active, registered_members
 from .capture import Capture, flatten
 from .model_state import Constants, Hooks, Members, settings
 from .session import GraphInputChanged
@@ -97,7 +97,8 @@ class OrtModule(torch.nn.Module):
     that changes the model's Python attributes are refused (CaptureError); hooks on the OrtModule itself run in PyTorch around the graphs. A copy
     (deepcopy, pickle, torch.save) captures again at its first call. With
     `dynamic=True` tensor sizes are symbols instead: a capture serves every call with sizes that
-    meet the relations its trace relied on (sizes 0 and 1 are specialized, as torch does). Under
+    meet the relations its trace relied on (sizes 0 and 1 are specialized, as torch does); Hugging
+    Face's `generate` of the wrapped model calls it so, without a KV cache (use_cache=False). Under
     torch.no_grad (or when nothing needs a gradient) an inference graph runs, which keeps no
     autograd context. `all_functions=False` keeps only Functions registered with
     ortbridge.register as PythonOp nodes (others are traced into ONNX ops); by default every
@@ -154,7 +155,8 @@ class OrtModule(torch.nn.Module):
             return _outside_dynamo(self._run, args, kwargs)
         return self._run(args, kwargs)
 
-    def _run(self, args: tuple, kwargs: dict):
+    def _run(self, args: tuple, kwargs: dict, dynamic: bool | None = None):
+        dynamic = self.dynamic if dynamic is None else dynamic
         if functorch_transforms_active():
             raise RuntimeError(
                 "ortbridge.OrtModule cannot run inside a torch.func transform (grad, vmap, jacrev, jvp, ...): "
@@ -167,18 +169,19 @@ class OrtModule(torch.nn.Module):
         else:
             leaves, spec = flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        key, capture = self.lookup(leaves, spec, tensors)
-        capture = capture or self._capture(key, args, kwargs)
+        key, capture = self.lookup(leaves, spec, tensors, dynamic)
+        capture = capture or self._capture(key, args, kwargs, dynamic)
         try:
             return capture(tensors)
         except GraphInputChanged as e:  # (a parameter or buffer changed dtype, device or size in place)
             log.info("%s: %s; capturing again", capture.name, e)
             self._captures.clear()
-            return self._capture(key, args, kwargs)(tensors)
+            return self._capture(key, args, kwargs, dynamic)(tensors)
 
-    def lookup(self, leaves, spec, tensors: list) -> tuple[tuple, Capture | None]:
+    def lookup(self, leaves, spec, tensors: list, dynamic: bool | None = None) -> tuple[tuple, Capture | None]:
         """(the key of a call with these flattened arguments, the capture that serves it or None):
         the check each call makes (benchmarks/guard_cost.py measures it)."""
+        dynamic = self.dynamic if dynamic is None else dynamic
         if self._members.changed():
             self._check_state()
         key = (
@@ -186,13 +189,13 @@ class OrtModule(torch.nn.Module):
             settings(),
             self._hooks.check(self._submodules),
             spec,
-            tuple(_signature(x, self.dynamic) for x in leaves),
+            tuple(_signature(x, dynamic) for x in leaves),
             tuple(map(_requires_grad, self._state[1])),
         )
         captures = self._captures.get(key, ())
         return key, next((c for c in captures if c.constants.hold() and c.accepts(tensors)), None)
 
-    def _capture(self, key: tuple, args: tuple, kwargs: dict) -> Capture:
+    def _capture(self, key: tuple, args: tuple, kwargs: dict, dynamic: bool) -> Capture:
         captures = self._captures.setdefault(key, [])
         if len(captures) == MAX_CAPTURES:  # (the oldest goes: an attribute value that changes on every call)
             warnings.warn(
@@ -206,7 +209,7 @@ class OrtModule(torch.nn.Module):
         log.info("capturing %s (%s mode)", name, "train" if self.module.training else "eval")
         started = time.perf_counter()
         # (OrtModule(torch.compile(m)): m as written; ONNX Runtime runs the graphs of what it computes)
-        capture = Capture(as_written(self.module), args, kwargs, self.all_functions, self.dynamic, self.options, name)
+        capture = Capture(as_written(self.module), args, kwargs, self.all_functions, dynamic, self.options, name)
         # (the values the trace read: the capture leaves every attribute as it was, but those its Functions write)
         capture.constants = Constants(self._submodules, frozenset(capture.written))
         log.info("captured %s in %.2f s", name, time.perf_counter() - started)
@@ -314,11 +317,14 @@ class OrtModule(torch.nn.Module):
         except AttributeError:
             value = getattr(self._modules["module"], name)
         if name == "generate" and callable(value):  # (Hugging Face's: it calls the wrapped model itself)
-            warnings.warn(
-                "ortbridge.OrtModule(model).generate is the wrapped model's generate, which runs the model "
-                "eagerly, not in ONNX Runtime. To generate with ONNX Runtime, wrap the model's backbone "
-                "(model.model = ortbridge.OrtModule(model.model)) and call model.generate(..., use_cache=False): "
-                "a KV cache object is not captured yet.",
-                stacklevel=2,
-            )
+            return functools.partial(self._generate, value)
         return value
+
+    def _generate(self, generate, *args, **kwargs):
+        """Hugging Face's generate of the wrapped model, each of its calls of the model run by this
+        OrtModule with symbolic sizes: one capture serves every length the sequence grows to. Without
+        a KV cache (use_cache=False, unless given): OrtModule does not capture a cache object yet
+        (passed one, it refuses it), and the tokens are the same."""
+        kwargs.setdefault("use_cache", False)
+        with calls_routed(self.module, lambda *a, **k: self._run(a, k, dynamic=True)):
+            return generate(*args, **kwargs)
