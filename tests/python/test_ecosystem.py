@@ -266,8 +266,24 @@ def swap_tensors_mode():
     torch.__future__.set_swap_module_params_on_conversion(False)
 
 
+def _dynamo_lets_a_compiled_module_swap() -> bool:
+    """Whether torch.compile itself (its eager backend) leaves a compiled module's parameters
+    swappable: torch 2.9's dynamo keeps weak references to them."""
+    model = nn.Linear(2, 2)
+    torch.compile(model, backend="eager")(torch.randn(1, 2))
+    try:
+        model.load_state_dict(model.state_dict())
+    except RuntimeError as e:
+        if "weakref" not in str(e):
+            raise
+        return False
+    return True
+
+
 @pytest.mark.parametrize("wrapper", ["OrtModule", "compile"])
 def test_swap_tensors_loading_and_conversion_train_as_eager(wrapper, swap_tensors_mode, captures):
+    if wrapper == "compile" and not _dynamo_lets_a_compiled_module_swap():
+        pytest.skip(f"torch {torch.__version__}'s dynamo keeps weak references to a compiled module's parameters")
     torch.manual_seed(0)
     eager = Mlp()
     model = copy.deepcopy(eager)

@@ -305,10 +305,9 @@ def forget_real_tensors(mode) -> None:
     """Drops a fake mode's weak references to the real tensors it made fakes of (a capture's
     parameters among them): torch.utils.swap_tensors (load_state_dict and .to() in torch's
     swap-tensors mode) refuses a tensor that any weak reference points to, and the mode lives on
-    in the captured graphs' metadata."""
-    describer = mode.fake_tensor_converter.meta_converter.describer
-    describer.lookup_tensor.clear()
-    describer.lookup_storage.clear()
+    in the captured graphs' metadata. (Tensors only, which is what swap_tensors checks: clearing
+    the storages' too made torch 2.9.1 crash in a later garbage collection.)"""
+    mode.fake_tensor_converter.meta_converter.describer.lookup_tensor.clear()
 
 
 # --- AOTAutograd ---------------------------------------------------------------------------------
