@@ -15,7 +15,7 @@ import os
 import onnxruntime
 import pytest
 import torch
-from conftest import BINDS_BFLOAT16
+from conftest import BINDS_BFLOAT16, needs_bfloat16_binding
 
 import ortbridge
 from ortbridge._tracing import fallback, kernels
@@ -268,6 +268,7 @@ def test_nodes_without_a_kernel_are_found_at_once():
                 value_info=[value("mm", elem, [2, 2]), value("add", elem, [2, 2])],
             ),
             opset_imports=[helper.make_opsetid("", 17)],
+            ir_version=10,  # (onnxruntime 1.19 reads up to 10)
         )
 
     providers = ["CPUExecutionProvider"]
@@ -367,6 +368,7 @@ class _FunctionAfterLinear(nn.Module):
     ids=["custom_fwd-cast_inputs", "custom_fwd", "gradient-of-another-dtype"],
 )
 @pytest.mark.parametrize("wrapper", ["OrtModule", "compile"])
+@needs_bfloat16_binding
 def test_functions_under_autocast_run_as_eager_runs_them(function, w_shape, wrapper):
     """A Function run as a node sees the autocast its call was captured under (AMP's custom_fwd
     recipes; eager's autocast of the matmuls inside; OrtModule and the compile backend), and a
@@ -389,3 +391,43 @@ def test_functions_under_autocast_run_as_eager_runs_them(function, w_shape, wrap
         for (name, p), q in zip(eager.named_parameters(), wrapped.parameters()):
             assert q.grad.dtype == p.grad.dtype, name
             torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+class _PlainMatmul(torch.autograd.Function):
+    """No AMP decorators: eager runs its backward under the autocast of the code calling
+    backward() (its matmuls of a bfloat16 g and a float32 w autocast there, else fail)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g.float() @ w.T, x.T.float() @ g.float()
+
+
+@pytest.mark.parametrize("backward_in_autocast", [True, False], ids=["backward-in-autocast", "backward-after"])
+@pytest.mark.parametrize("stages", [1, 2], ids=["one-backward-run", "backward-in-stages"])
+@needs_bfloat16_binding
+def test_a_functions_backward_runs_under_the_autocast_of_backwards_caller_as_eager(backward_in_autocast, stages):
+    """A forward under bfloat16 autocast, then backward() inside the autocast block (as many scripts
+    write it) or after it: the Function's backward sees the caller's autocast as in eager (its
+    matmuls in bfloat16, or in float32), where AOTAutograd's runtime would run it with autocast off.
+    Gradients equal eager's, in both cases and with the backward graph in stages."""
+    torch.manual_seed(0)
+    eager = _FunctionAfterLinear(_PlainMatmul, (16, 16))
+    wrapped = ortbridge.OrtModule(copy.deepcopy(eager), backward_stages=stages)
+    x = torch.randn(8, 16)
+    for step in range(2):
+        for model in (eager, wrapped):
+            with torch.autocast("cpu", torch.bfloat16):
+                loss = model(x + step).float().square().sum()
+                if backward_in_autocast:
+                    loss.backward()
+            if not backward_in_autocast:
+                loss.backward()
+        for (name, p), q in zip(eager.named_parameters(), wrapped.parameters()):
+            assert q.grad.dtype == p.grad.dtype, name
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-5, msg=f"step {step}: {name}")

@@ -51,6 +51,7 @@ from . import ops
 from .fx_passes import DECOMPOSITIONS, tiled_pads_as_cat
 from .model_state import (
     CaptureError,
+    FunctionsAutocast,
     attributes,
     autocast_state,
     changed_attributes,
@@ -256,6 +257,7 @@ class Capture(NotCopyable):
         self.options = options or {}
         self.name = name
         self.autocast = autocast_state()  # (the call's, which its Functions run under: GraphSession)
+        self._backward_autocast: FunctionsAutocast | None = None  # (where the backward graph has that of its caller)
         leaves, spec = flatten((args, kwargs))
         self.flat = _Flat(module, spec, leaves)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -370,9 +372,13 @@ class Capture(NotCopyable):
     def _session(self, gm: torch.fx.GraphModule, kind: str, save_as: str | None) -> GraphSession | StagedBackward:
         options, providers = self.options.get("session_options"), self.options.get("providers")
         stages = self.options.get("backward_stages")
+        if kind == "backward":
+            autocast = self._backward_autocast = FunctionsAutocast() if self.autocast else None
+        else:
+            autocast = FunctionsAutocast(self.autocast) if self.autocast else None
         if kind == "backward" and (stages or stages_for(gm)) > 1:
             try:
-                staged = StagedBackward.of(gm, stages or stages_for(gm), options, providers, save_as)
+                staged = StagedBackward.of(gm, stages or stages_for(gm), options, providers, save_as, autocast)
             except Exception as e:  # (the graph in one piece stays right: staging only releases gradients sooner)
                 (log.warning if stages else log.info)(
                     "%s: the backward graph runs in one piece, not in stages (%s: %s)",
@@ -384,10 +390,12 @@ class Capture(NotCopyable):
             if staged is not None:
                 log.info("%s: the backward graph runs in %d stages", self.name, staged.count)
                 return staged
-        autocast = self.autocast if kind != "backward" else ()
         return GraphSession(gm, kind == "forward", options, providers, save_as, autocast)
 
     def __call__(self, tensors: list) -> object:
         if self.step is not None:
             return self.flat.result(self.step([*self.params, *tensors]))
-        return self.flat.result(self.compiled(*tensors))
+        outputs = self.compiled(*tensors)
+        if self._backward_autocast is not None:
+            self._backward_autocast.record_from(outputs)
+        return self.flat.result(outputs)

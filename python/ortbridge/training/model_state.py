@@ -14,6 +14,7 @@ import copy
 import enum
 import itertools
 import operator
+import threading
 import types
 
 import torch
@@ -92,6 +93,25 @@ def autocast_on(state: tuple):
         for device, dtype in state:
             stack.enter_context(torch.autocast(device, dtype=dtype))
         yield
+
+
+class FunctionsAutocast(threading.local):
+    """The autocast state a graph's Functions run under, as eager runs them: a forward or inference
+    graph's, that of the call it was captured for; a backward graph's, that of the code calling
+    backward(), which each forward call under autocast records from a hook on its outputs'
+    autograd nodes (AOTAutograd's runtime turns autocast off around the graphs of a forward it
+    runs under autocast; eager runs a Function's backward under backward's caller's state, which
+    custom_bwd replaces with the forward's)."""
+
+    def __init__(self, state: tuple = ()):
+        self.state = state
+
+    def record_from(self, outputs) -> None:
+        for node in {t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}:
+            node.register_prehook(self._record)
+
+    def _record(self, grad_outputs) -> None:
+        self.state = autocast_state()
 
 
 class Hooks:

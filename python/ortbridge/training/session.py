@@ -27,7 +27,7 @@ from .._kernel.runner import context_ids_tensor, lending
 from .._tracing import fallback, kernels
 from .._tracing.nodes import DOMAIN, func_name
 from .devices import cuda_stream, execution_providers, ort_device, placeholder_address
-from .model_state import autocast_on
+from .model_state import FunctionsAutocast, autocast_on
 from .onnx_graph import OnnxGraph
 from .threads import SpinningTrial, default_session_options, one_torch_thread
 
@@ -51,11 +51,11 @@ class GraphSession(NotCopyable):
         session_options: ort.SessionOptions | None = None,
         providers=None,
         save_as: str | None = None,
-        autocast: tuple = (),
+        autocast: FunctionsAutocast | None = None,
     ):
         self.graph = graph = OnnxGraph(gm, training)
         self.model = self.session = None
-        self.autocast = ()  # (set below, for a graph that calls Functions)
+        self.autocast = None  # (set below, for a graph that calls Functions)
         self.recycled: list[int] = []  # outputs written into the last run's buffers (see recycle)
         if not graph.outputs:
             return
@@ -112,9 +112,8 @@ class GraphSession(NotCopyable):
                 "log says why: often CUDA or cuDNN libraries it did not find; "
                 "onnxruntime.preload_dlls() loads torch's)"
             )
-        # Functions run as nodes under the autocast the trace ran under (model_state.autocast_state()
-        # of the call), as eager calls them: around its graphs AOTAutograd's runtime turns autocast off.
-        if autocast and _calls_functions(self.model):
+        # Functions run as nodes under the autocast eager would run them under (FunctionsAutocast).
+        if autocast is not None and _calls_functions(self.model):
             self.autocast = autocast
         input_names = [i.name for i in self.session.get_inputs()]
         output_names = [o.name for o in self.session.get_outputs()]
@@ -177,8 +176,8 @@ class GraphSession(NotCopyable):
         if torch.is_inference_mode_enabled():  # Functions see normal tensors, as in an ORT session of their own
             with torch.inference_mode(False):
                 return self(args)
-        if self.autocast and not is_any_autocast_enabled():
-            with autocast_on(self.autocast):
+        if self.autocast is not None and self.autocast.state and not is_any_autocast_enabled():
+            with autocast_on(self.autocast.state):
                 return self._run(args)
         return self._run(args)
 

@@ -19,6 +19,7 @@ import torch
 
 from .._copying import NotCopyable
 from .._tracing.record import size_hint
+from .model_state import FunctionsAutocast
 from .session import GraphSession
 
 # Gradients per stage when the step counts its stages itself (Step.stages_for): a stage's run costs
@@ -85,15 +86,28 @@ class StagedBackward(NotCopyable):
 
     @staticmethod
     def of(
-        gm: torch.fx.GraphModule, count: int, session_options=None, providers=None, save_as: str | None = None
+        gm: torch.fx.GraphModule,
+        count: int,
+        session_options=None,
+        providers=None,
+        save_as: str | None = None,
+        autocast: FunctionsAutocast | None = None,
     ) -> StagedBackward | None:
         """The graph in up to `count` stages; None where it has fewer than two (one gradient)."""
         stage = _assign(gm.graph, list(gm.graph.output_node().args[0]), count)
         if max(stage.values(), default=0) == 0:
             return None
-        return StagedBackward(gm, stage, session_options, providers, save_as)
+        return StagedBackward(gm, stage, session_options, providers, save_as, autocast)
 
-    def __init__(self, gm: torch.fx.GraphModule, stage: dict, session_options, providers, save_as: str | None):
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        stage: dict,
+        session_options,
+        providers,
+        save_as: str | None,
+        autocast: FunctionsAutocast | None = None,
+    ):
         graph = gm.graph
         results = list(graph.output_node().args[0])
         self.count = max(stage.values()) + 1
@@ -144,6 +158,7 @@ class StagedBackward(NotCopyable):
                     session_options,
                     providers,
                     save_as and save_as.replace(".onnx", f"_{k}.onnx"),
+                    autocast,
                 )
             )
         self.results = [key[r] if isinstance(r, torch.fx.Node) else None for r in results]
