@@ -363,6 +363,38 @@ def test_an_attribute_a_function_running_in_pytorch_writes_is_not_refused(captur
     assert captures() == 1, "the seed the Function writes is no constant of the capture"
 
 
+def test_hugging_faces_reformer_trains_as_eager_and_its_cache_is_refused_naming_it():
+    """transformers' Reformer: its reversible Function runs as a node and sets the layers' seeds
+    (attributes) at every call; without dropout (with it, eager itself is not reproducible:
+    torch.seed()) three steps give eager's losses and gradients. With its default use_cache the
+    forward makes a cache object anew at each call and passes it to the Function: refused, naming
+    it and use_cache=False."""
+    config = transformers.ReformerConfig(
+        vocab_size=64, hidden_size=32, num_attention_heads=2, attention_head_size=16, axial_pos_embds=False,
+        attn_layers=["local", "local"], feed_forward_size=64, max_position_embeddings=64, local_attn_chunk_length=8,
+        is_decoder=True, hidden_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    eager = transformers.ReformerModelWithLMHead(config).train()
+    wrapped = ortbridge.OrtModule(copy.deepcopy(eager))
+    ids = torch.randint(1, 64, (2, 32))
+    for step in range(3):
+        for model in (eager, wrapped):
+            model.zero_grad()
+        actual, expected = (m(ids, labels=ids, use_cache=False).loss for m in (wrapped, eager))
+        actual.backward()
+        expected.backward()
+        assert_close(actual, expected, f"step {step}: loss")
+        assert_close([p.grad for p in wrapped.parameters()], [p.grad for p in eager.parameters()], "gradients")
+        with torch.no_grad():
+            for p, q in zip(wrapped.parameters(), eager.parameters()):
+                if q.grad is not None:
+                    p -= 0.1 * p.grad
+                    q -= 0.1 * q.grad
+    with pytest.raises(ortbridge.ExportError, match="a ReformerDynamicCache, is another object.*use_cache=False"):
+        wrapped(ids, labels=ids)
+
+
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_hugging_face_gradient_checkpointing_trains_as_eager(reentrant, captures):
     """gradient_checkpointing_enable adds transformers' enable_input_require_grads hook (traced);

@@ -185,14 +185,16 @@ class CallTable:
             if (name, value) != (eager_name, eager_value):
                 return f"attribute {name} is {value!r} here, {eager_value!r} in the eager run"
         if objects != eager_objects:
-            position = (
-                next(a[0] for a, b in zip(objects, eager_objects) if a != b)
+            position, kind = (
+                next(a for a, b in zip(objects, eager_objects) if a != b)
                 if len(objects) == len(eager_objects)
-                else "?"
+                else ("?", None)
             )
+            what = f", a {kind[0].__name__}," if isinstance(kind, tuple) and isinstance(kind[0], type) else ""
             return (
-                f"argument {position} is another object than in the eager run (a function with other code or "
-                "closure values, a method of another object, or another object)"
+                f"argument {position}{what} is another object than in the eager run (a function with other code or "
+                "closure values, a method of another object, or another object: one the forward makes anew at each "
+                "call, as a cache it fills, cannot be a node's constant; turn it off, as with use_cache=False)"
             )
         if dtypes != eager_dtypes:
             return f"tensor input dtypes are {list(dtypes)} here, {list(eager_dtypes)} in the eager run"
