@@ -16,6 +16,7 @@ from side_by_side import assert_close, train_side_by_side
 from torch.func import functional_call
 
 import ortbridge
+from ortbridge.training.fx_passes import DECOMPOSITIONS
 
 nn = torch.nn
 F = torch.nn.functional
@@ -239,10 +240,16 @@ def test_swa_update_bn_on_an_ort_module_is_refused_naming_momentum_and_on_its_mo
     assert_close(wrapped(x), eager(x), "a training call after update_bn")
 
 
+@pytest.mark.parametrize("head", [False, True], ids=["conv-block", "pooled-head"])
 @pytest.mark.parametrize("wrapper", ["OrtModule", "compile"])
-def test_channels_last_outputs_come_back_channels_last(wrapper):
+def test_channels_last_outputs_come_back_channels_last(wrapper, head):
+    """A channels_last CNN: outputs laid out as eager's, gradients eager's; with a classifier head
+    (pool to 1x1, flatten: AOTAutograd traces the flatten as an as_strided view, whose gradient
+    is an as_strided_scatter, fx_passes._as_strided_scatter)."""
     torch.manual_seed(0)
     eager = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+    if head:
+        eager.extend([nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5)])
     eager = eager.to(memory_format=torch.channels_last)
     model = copy.deepcopy(eager)
     wrapped = ortbridge.OrtModule(model) if wrapper == "OrtModule" else torch.compile(model, backend="ortbridge")
@@ -255,6 +262,21 @@ def test_channels_last_outputs_come_back_channels_last(wrapper):
     wrapped(x).sum().backward()
     eager(x).sum().backward()
     assert_close([p.grad for p in model.parameters()], [p.grad for p in eager.parameters()], "gradients")
+
+
+@pytest.mark.parametrize(
+    "base_size, size, stride, offset",
+    [(16, [2, 8], [8, 1], 0), (16, [2, 8, 1, 1], [8, 1, 8, 8], 0), (20, [2, 3], [5, 2], 3), (12, [3, 4], [1, 3], 0)],
+    ids=["all-in-order", "size-1-dims", "part-with-offset", "transposed"],
+)
+def test_as_strided_scatter_in_onnx_operators_is_torchs(base_size, size, stride, offset):
+    """The decomposition the capture traces as_strided_scatter with equals torch's operator; a view
+    whose elements overlap is left to the operator (NotImplemented: the export refuses it)."""
+    scatter = DECOMPOSITIONS[torch.ops.aten.as_strided_scatter.default]
+    base, src = torch.randn(base_size), torch.randn(size)
+    expected = torch.as_strided_scatter(base, src, size, stride, offset)
+    assert torch.equal(scatter(base, src, size, stride, offset), expected)
+    assert scatter(base, torch.randn(2, 3), [2, 3], [1, 1], 0) is NotImplemented
 
 
 @pytest.fixture

@@ -5,6 +5,8 @@ forms ONNX Runtime runs fast (tiled_pads_as_cat)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .._compat.torch_private import decomposition_table, get_decompositions
@@ -118,6 +120,38 @@ def _layer_norm_backward_in_float32(grad, x, normalized_shape, mean, rstd, weigh
 
 
 DECOMPOSITIONS[aten.native_layer_norm_backward.default] = _layer_norm_backward_in_float32
+
+
+def _as_strided_scatter(base, src, size, stride, storage_offset=None):
+    """as_strided_scatter, the gradient of an as_strided view (which AOTAutograd traces for a view
+    of a tensor in another memory format: flatten of a channels_last (N, C, 1, 1) pooling output),
+    in operators ONNX has: `src` written into `base`'s row-major elements at the view's positions;
+    where those are all of them in order, `src` reshaped. (A base of another layout, a view whose
+    elements overlap or symbolic sizes stay the operator, which the export refuses.)"""
+    offset = storage_offset or 0
+    dims = [(n, s) for n, s in zip(size, stride) if n != 1]
+    if not base.is_contiguous() or not all(type(v) is int for v in (*size, *stride, offset, *base.shape)):
+        return NotImplemented
+    extent = 0  # (the elements a view's dims of smaller strides span: each stride must pass it)
+    for n, s in sorted(dims, key=lambda d: d[1]):
+        if s <= extent:
+            return NotImplemented
+        extent += (n - 1) * s
+    if (
+        offset == 0
+        and base.numel() == src.numel()
+        and all(s == math.prod(n for n, _ in dims[k + 1 :]) for k, (_, s) in enumerate(dims))
+    ):
+        return src.reshape(base.shape).clone()
+    positions = torch.full(tuple(size), offset, dtype=torch.int64, device=base.device)
+    for d, (n, s) in enumerate(zip(size, stride)):
+        positions = (
+            positions + torch.arange(n, device=base.device).reshape([n if k == d else 1 for k in range(len(size))]) * s
+        )
+    return base.reshape(-1).index_put((positions.reshape(-1),), src.reshape(-1)).reshape(base.shape)
+
+
+DECOMPOSITIONS[aten.as_strided_scatter.default] = _as_strided_scatter
 
 
 def tiled_pads_as_cat(gm: torch.fx.GraphModule) -> None:
