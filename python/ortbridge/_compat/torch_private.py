@@ -14,6 +14,7 @@ import functools
 import importlib
 import inspect
 import sys
+import threading
 import types
 
 import torch
@@ -56,19 +57,19 @@ def as_written(module: torch.nn.Module) -> torch.nn.Module:
 @contextlib.contextmanager
 def calls_routed(module: torch.nn.Module, call):
     """Every call of `module` (module(...), module.__call__) goes to `call`, but those made inside
-    it, which run the module's own: nn.Module's call runs an instance's `_compiled_call_impl` where
-    there is one (as module.compile() sets)."""
+    it on its thread, which run the module's own: nn.Module's call runs an instance's
+    `_compiled_call_impl` where there is one (as module.compile() sets)."""
     own = module._call_impl
-    routing = [True]
+    inside = threading.local()
 
     def routed(*args, **kwargs):
-        if not routing[0]:
+        if getattr(inside, "call", False):
             return own(*args, **kwargs)
-        routing[0] = False
+        inside.call = True
         try:
             return call(*args, **kwargs)
         finally:
-            routing[0] = True
+            inside.call = False
 
     previous = module.__dict__.get("_compiled_call_impl")
     module._compiled_call_impl = routed
