@@ -23,6 +23,7 @@ BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
         ("dropout_step.py", ["--quick"], "torch RNG ms"),
         ("embedding_step.py", ["--quick"], "scatter_elements"),
         ("guard_cost.py", ["--quick"], "check/step"),
+        ("varlen_train.py", ["--quick"], "steady ms"),
         ("distributed_step.py", ["--quick"], "FSDP   per block"),
         ("step_memory.py", ["--quick", "--models", "Block", "--variants", "eager,OrtModule"], "xpeak"),
         # (--by-library: its breakdown is checked to sum to callgrind's totals)
