@@ -289,6 +289,30 @@ void ReadReuseMap(const AttributeSource& a, size_t input_count, size_t output_co
   }
 }
 
+// output_tensor_dims: one entry per output dim; a reference to an input dim needs the input ranks.
+void ReadOutputDims(const AttributeSource& a, ForwardLayout& f) {
+  if (!OptionalInts(a, "output_tensor_dims", &f.output_tensor_dims)) return;
+  size_t dims = 0;
+  for (int64_t r : f.output_tensor_ranks) dims += static_cast<size_t>(r);
+  CheckSize("output_tensor_dims", f.output_tensor_dims.size(), dims,
+            "one per dim of the outputs after the context id");
+  int64_t input_dims = 0;
+  for (int64_t r : f.input_tensor_ranks) {
+    if (r < 0) {
+      input_dims = -1;  // (unknown ranks: no dim can be referred to)
+      break;
+    }
+    input_dims += r;
+  }
+  for (int64_t d : f.output_tensor_dims) {
+    if (d < -1 && d <= -2 - input_dims) {  // (as -2 - d >= input_dims, without overflow)
+      Fail("output_tensor_dims", "entry " + std::to_string(d) + " refers to no dim of the tensor inputs (" +
+                                     std::to_string(std::max<int64_t>(input_dims, 0)) +
+                                     " dims of known rank)");
+    }
+  }
+}
+
 }  // namespace
 
 ForwardLayout ParseForward(const AttributeSource& a, size_t input_count, size_t output_count) {
@@ -322,6 +346,7 @@ ForwardLayout ParseForward(const AttributeSource& a, size_t input_count, size_t 
       Ranks(a, "output_tensor_ranks", output_count - 1, "one per node output after the context id", true);
   CheckOutputDims("output_tensor_ranks", f.output_tensor_ranks);
   ReadReuseMap(a, tensor_inputs, output_count, f);
+  ReadOutputDims(a, f);
   return f;
 }
 

@@ -71,6 +71,10 @@ struct ForwardLayout {
   // node output j is tensor input i updated in place.
   std::vector<std::pair<size_t, size_t>> in_place;
   size_t ordering_inputs = 0;  // the last inputs, which only order the node (never read)
+  // output_tensor_dims: empty, or one entry per output dim (outputs in order) that the kernel checks
+  // the Function's outputs against: >= 0 that size; -1 any; -2 - k the size of dim k of the
+  // tensor inputs' dims in order (a graph with symbolic sizes assumed those equal).
+  std::vector<int64_t> output_tensor_dims;
 };
 
 // PythonOpGrad: Function.backward(ctx, *grads) -> one value per forward argument.

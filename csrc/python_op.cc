@@ -3,6 +3,10 @@
 #include <algorithm>
 #include <memory>
 #include <optional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "custom_op.h"
 #include "python_kernel.h"
@@ -71,6 +75,7 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
           outputs[i] = writer.Write(i + 1, result[i + 1].ptr(), layout_.output_tensor_types[i],
                                     layout_.output_tensor_ranks[i], "output");
         }
+        CheckCapturedSizes(inputs, outputs);
         if (result.size() == n + 2) CheckInPlaceWrites(inputs, outputs, result[n + 1]);
         int64_t id = PythonContextPool::kNoContext;
         if (layout_.training_mode) {
@@ -120,6 +125,40 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
     for (size_t j = 1; j < outputs.size(); ++j) {
       CheckDeclared("output", j, outputs[j], layout_.output_tensor_types[j - 1],
                     "attribute 'output_tensor_types'", "attribute 'output_tensor_types'");
+    }
+  }
+
+  // A graph with symbolic sizes took each output dim for a size or for one of the inputs' dims
+  // (output_tensor_dims); a Function whose outputs have other sizes would leave the graph's
+  // arithmetic on them wrong without an error.
+  void CheckCapturedSizes(const TensorViews& inputs, const TensorViews& outputs) const {
+    const std::vector<int64_t>& dims = layout_.output_tensor_dims;
+    if (dims.empty()) return;
+    std::vector<std::pair<size_t, size_t>> owner;  // per dim of the tensor inputs: (input, its dim)
+    std::vector<int64_t> input_dims;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      for (size_t j = 0; j < inputs[i].shape.size(); ++j) {
+        owner.emplace_back(i, j);
+        input_dims.push_back(inputs[i].shape[j]);
+      }
+    }
+    size_t k = 0;
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      for (size_t j = 0; j < outputs[i].shape.size(); ++j, ++k) {
+        const int64_t d = dims.at(k);
+        const int64_t expected = d < -1 ? input_dims.at(static_cast<size_t>(-2 - d)) : d;
+        if (d == -1 || outputs[i].shape[j] == expected) continue;
+        const std::string taken_for =
+            d < -1 ? "the size of dim " + std::to_string(owner.at(static_cast<size_t>(-2 - d)).second) +
+                         " of tensor input " + std::to_string(owner.at(static_cast<size_t>(-2 - d)).first)
+                   : std::string("the size in the recorded call");
+        throw std::runtime_error(
+            "output " + std::to_string(i + 1) + " has size " + std::to_string(outputs[i].shape[j]) +
+            " in dim " + std::to_string(j) + ", but the graph was captured with " + std::to_string(expected) +
+            " there (" + taken_for + "): " + layout_.func_name +
+            "'s output sizes do not follow its inputs' as a capture with symbolic sizes took them. Give the "
+            "Function infer_shape(node, shapes, dtypes), or capture with dynamic=False.");
+      }
     }
   }
 

@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <map>
 #include <ostream>
 #include <string>
@@ -474,6 +475,33 @@ TEST_F(ForwardTest, RejectsReuseOfAnOrderingInput) {
   a.ints["ordering_inputs"] = 1;
   a.int_lists["tensor_reuse_map"] = {-1, 1};
   EXPECT_TRUE(Fails("tensor_reuse_map", "tensor input index"));
+}
+
+// -- output_tensor_dims -------------------------------------------------------------------------
+
+TEST_F(ForwardTest, OutputDimsAreSizesOrInputDims) {
+  a.int_lists["input_tensor_ranks"] = {2};
+  a.int_lists["output_tensor_ranks"] = {3};
+  a.int_lists["output_tensor_dims"] = {8, -3, -1};  // 8; dim 1 of the inputs; any
+  EXPECT_EQ(Parse().output_tensor_dims, (std::vector<int64_t>{8, -3, -1}));
+  a.int_lists.erase("output_tensor_dims");
+  EXPECT_TRUE(Parse().output_tensor_dims.empty());  // absent: nothing to check
+}
+
+TEST_F(ForwardTest, RejectsOutputDimsOfAnotherCount) {
+  a.int_lists["output_tensor_dims"] = {1, 2};
+  EXPECT_TRUE(Fails("output_tensor_dims", "one per dim of the outputs"));
+}
+
+TEST_F(ForwardTest, RejectsOutputDimsReferringToNoInputDim) {
+  a.int_lists["input_tensor_ranks"] = {2};
+  for (int64_t d : {int64_t{-4}, std::numeric_limits<int64_t>::min()}) {
+    a.int_lists["output_tensor_dims"] = {d};
+    EXPECT_TRUE(Fails("output_tensor_dims", "refers to no dim of the tensor inputs (2 dims")) << d;
+  }
+  a.int_lists["input_tensor_ranks"] = {-1};  // (unknown: no dim to refer to)
+  a.int_lists["output_tensor_dims"] = {-2};
+  EXPECT_TRUE(Fails("output_tensor_dims", "refers to no dim of the tensor inputs (0 dims"));
 }
 
 // -- malformed: tensor_reuse_map ---------------------------------------------------------------

@@ -368,6 +368,7 @@ MALFORMED = {
     "input_int_scalar_positions": dict(input_int_scalars=[1], input_int_scalar_positions=[0]),
     "tensor_reuse_map": dict(tensor_reuse_map=[-1, 5]),
     "ordering_inputs": dict(ordering_inputs=2),
+    "output_tensor_dims": dict(output_tensor_dims=[-9]),  # (dim 7 of the inputs: x has one)
 }
 
 

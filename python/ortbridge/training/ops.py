@@ -34,7 +34,21 @@ class TracedCall:
         if training:
             grads = iter(self.requires_grad)
             attrs["input_requires_grads"] = [int(next(grads)) if c == "d" else 0 for c in attrs["input_convention"]]
+        dims = self.output_dims()
+        if dims is not None:
+            attrs["output_tensor_dims"] = dims
         return attrs
+
+    def output_dims(self) -> list[int] | None:
+        """Where the trace has symbolic sizes, what it took each output dim for, which the kernel
+        checks at every call (the node's output_tensor_dims): a size, -2 - k for dim k of the
+        tensor inputs' dims in order, -1 for a size of another form (an infer_shape's expression).
+        None for a trace of static sizes: the record run's, which a graph of those sizes keeps."""
+        inputs = [d for shape in self.input_shapes for d in shape]
+        if all(type(d) is int for d in inputs):
+            return None
+        position = {d.node.expr: -2 - k for k, d in reversed(list(enumerate(inputs))) if type(d) is not int}
+        return [d if type(d) is int else position.get(d.node.expr, -1) for shape in self.output_shapes for d in shape]
 
     def backward_attrs(self, present: list[bool]) -> dict:
         return dict(
