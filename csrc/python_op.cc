@@ -135,23 +135,21 @@ class PythonOpKernel : public PythonKernel<ForwardLayout> {
     const std::vector<int64_t>& dims = layout_.output_tensor_dims;
     if (dims.empty()) return;
     std::vector<std::pair<size_t, size_t>> owner;  // per dim of the tensor inputs: (input, its dim)
-    std::vector<int64_t> input_dims;
     for (size_t i = 0; i < inputs.size(); ++i) {
-      for (size_t j = 0; j < inputs[i].shape.size(); ++j) {
-        owner.emplace_back(i, j);
-        input_dims.push_back(inputs[i].shape[j]);
-      }
+      for (size_t j = 0; j < inputs[i].shape.size(); ++j) owner.emplace_back(i, j);
     }
     size_t k = 0;
     for (size_t i = 0; i < outputs.size(); ++i) {
       for (size_t j = 0; j < outputs[i].shape.size(); ++j, ++k) {
         const int64_t d = dims.at(k);
-        const int64_t expected = d < -1 ? input_dims.at(static_cast<size_t>(-2 - d)) : d;
-        if (d == -1 || outputs[i].shape[j] == expected) continue;
-        const std::string taken_for =
-            d < -1 ? "the size of dim " + std::to_string(owner.at(static_cast<size_t>(-2 - d)).second) +
-                         " of tensor input " + std::to_string(owner.at(static_cast<size_t>(-2 - d)).first)
-                   : std::string("the size in the recorded call");
+        if (d == -1) continue;
+        const auto [input, input_dim] =
+            d < -1 ? owner.at(static_cast<size_t>(-2 - d)) : std::pair<size_t, size_t>{};
+        const int64_t expected = d < -1 ? inputs[input].shape[input_dim] : d;
+        if (outputs[i].shape[j] == expected) continue;
+        const std::string taken_for = d < -1 ? "the size of dim " + std::to_string(input_dim) +
+                                                   " of tensor input " + std::to_string(input)
+                                             : std::string("the size in the recorded call");
         throw std::runtime_error(
             "output " + std::to_string(i + 1) + " has size " + std::to_string(outputs[i].shape[j]) +
             " in dim " + std::to_string(j) + ", but the graph was captured with " + std::to_string(expected) +

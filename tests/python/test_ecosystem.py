@@ -283,9 +283,10 @@ def test_as_strided_scatter_in_onnx_operators_is_torchs(base_size, size, stride,
 def swap_tensors_mode():
     """torch's swap-tensors mode (load_state_dict and .to() swap each parameter's contents into
     the parameter object), for the test only."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     yield
-    torch.__future__.set_swap_module_params_on_conversion(False)
+    torch.__future__.set_swap_module_params_on_conversion(before)
 
 
 def _dynamo_lets_a_compiled_module_swap() -> bool:

@@ -372,10 +372,11 @@ class Capture(NotCopyable):
     def _session(self, gm: torch.fx.GraphModule, kind: str, save_as: str | None) -> GraphSession | StagedBackward:
         options, providers = self.options.get("session_options"), self.options.get("providers")
         stages = self.options.get("backward_stages")
-        if kind == "backward":
-            autocast = self._backward_autocast = FunctionsAutocast() if self.autocast else None
-        else:
-            autocast = FunctionsAutocast(self.autocast) if self.autocast else None
+        # (a backward graph's: its caller's, recorded at each call; a forward graph's: the call's)
+        autocast = (
+            (FunctionsAutocast() if kind == "backward" else FunctionsAutocast(self.autocast)) if self.autocast else None
+        )
+        session = None
         if kind == "backward" and (stages or stages_for(gm)) > 1:
             try:
                 staged = StagedBackward.of(gm, stages or stages_for(gm), options, providers, save_as, autocast)
@@ -389,8 +390,12 @@ class Capture(NotCopyable):
                 staged = None
             if staged is not None:
                 log.info("%s: the backward graph runs in %d stages", self.name, staged.count)
-                return staged
-        return GraphSession(gm, kind == "forward", options, providers, save_as, autocast)
+                session = staged
+        session = session or GraphSession(gm, kind == "forward", options, providers, save_as, autocast)
+        if kind == "backward":  # (recorded at each call only where the backward graph's Functions read it)
+            parts = session.sessions if isinstance(session, StagedBackward) else [session]
+            self._backward_autocast = autocast if any(s.autocast is not None for s in parts) else None
+        return session
 
     def __call__(self, tensors: list) -> object:
         if self.step is not None:
